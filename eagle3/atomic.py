@@ -1,0 +1,98 @@
+"""Atomic file and directory writes, and content fingerprints.
+
+Every stage writes through these helpers: a file is written to a temp path in the same
+directory, fsynced, then renamed over its final name, so a reader (or a resumed run)
+sees either the old file, the new file, or nothing -- never half a file.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Fingerprint of a JSON-able object, independent of key order."""
+    return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Persist a rename: fsync the directory entry (no-op where unsupported)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path beside `final`; on success fsync and rename it to `final`.
+
+    On any exception the temp file is removed and `final` is untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(final) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(final: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(final, text.encode("utf-8"))
+
+
+def atomic_write_json(final: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(final, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def clean_temp_files(directory: str | os.PathLike) -> int:
+    """Remove leftovers of killed writers (`.NAME.*.tmp`); returns how many were removed."""
+    n = 0
+    d = Path(directory)
+    if not d.is_dir():
+        return 0
+    for p in d.glob(".*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            n += 1
+    return n

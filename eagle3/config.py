@@ -1,0 +1,97 @@
+"""Typed configs: one Pydantic model per stage, plus PipelineConfig that holds them all.
+
+Each field has a description (the Prefect UI renders it as the run form) and bounds. User
+errors raise `ValueError` at construction; nothing downstream re-validates.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_DRAFT_VOCAB = 32000
+
+
+class _Cfg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PrepareConfig(_Cfg):
+    """Stage 1: render conversations with the target's chat template, mask, split, build the vocab map."""
+
+    data: str = Field(
+        "sharegpt",
+        description="ShareGPT JSON, JSONL (ShareGPT or OpenAI form), Parquet, an HF `datasets` dir, "
+        "or the word 'sharegpt' for the bundled dataset",
+    )
+    max_len: int = Field(2048, ge=16, le=1 << 20, description="truncate each sample to this many tokens")
+    limit: int | None = Field(None, ge=1, description="use only the first N conversations of the source")
+    draft_vocab: int | None = Field(
+        None, ge=1, description="draft vocab size (default min(32000, target vocab))"
+    )
+    val_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="share of samples held out for validation")
+    min_val: int = Field(1, ge=0, description="at least this many validation samples when there are >= 2")
+    seed: int = Field(0, description="seed of the deterministic train/val split")
+    shard_samples: int = Field(10_000, ge=1, description="samples per Parquet shard")
+    same_role: Literal["merge", "drop"] = Field(
+        "merge",
+        description="consecutive turns of one role: 'merge' joins their text with a blank line; "
+        "'drop' skips the conversation",
+    )
+    batch_size: int = Field(256, ge=1, description="conversations per tokenizer batch call")
+
+
+class ExtractConfig(_Cfg):
+    """Stage 2: run the target over prepared samples and store aux + final hidden states."""
+
+    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, CPU or GPU) or 'vllm' (GPU host)")
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="vLLM-convention ids of the 3 aux layers (id k = residual stream entering layer k); "
+        "default (2, N//2, N-3). The final pre-norm state (id N) is always stored too.",
+    )
+    storage: Literal["bf16", "fp32", "fp8", "fp8-aux"] = Field(
+        "bf16", description="bf16; fp32; fp8 e4m3 with a per-token scale for all states; fp8 for aux only"
+    )
+    shard_bytes: int = Field(1 << 30, ge=1 << 16, description="target size of one hidden-state shard")
+    batch_tokens: int = Field(16384, ge=64, description="token budget of one forward batch (hf)")
+    splits: list[str] = Field(["train", "val"], description="prepared splits to extract")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM TP size")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM PP size")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vLLM gpu_memory_utilization")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="vLLM max_num_batched_tokens")
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(v) != 3:
+            raise ValueError(f"aux_layer_ids must hold exactly 3 ids (got {v}); id N is added automatically")
+        return v
+
+
+class PipelineConfig(_Cfg):
+    """The whole run: where the target is, where outputs go, and each stage's settings."""
+
+    model: str = Field("assets/smollm2", description="target model: an HF directory with safetensors + tokenizer")
+    run_dir: str = Field("runs/demo", description="root dir; each stage writes <run_dir>/<stage>")
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+
+    def stage_dir(self, stage: str) -> Path:
+        return Path(self.run_dir) / stage
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "PipelineConfig":
+        """Load YAML or JSON. Relative `model`/`run_dir`/`data` stay relative to the CWD."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML/JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+        return cls.model_validate(data)
