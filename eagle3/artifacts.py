@@ -34,9 +34,13 @@ class StageManifest(BaseModel):
     inputs: dict[str, str] = Field(default_factory=dict, description="input name -> content fingerprint")
     fingerprint: str = ""
 
+    # Fields that name places, not content: left out of the fingerprint so that moving a
+    # directory does not invalidate every downstream cache.
+    volatile: ClassVar[set[str]] = set()
+
     def _content(self) -> dict[str, Any]:
         # Everything but volatile fields: the fingerprint depends on content only.
-        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version"})
+        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", *self.volatile})
 
     def seal(self: M) -> M:
         """Fill kind/version/created_at and compute the content fingerprint."""
@@ -106,6 +110,7 @@ class PreparedData(StageManifest):
 
     stage: ClassVar[str] = "prepare"
     format_version: ClassVar[int] = 1
+    volatile: ClassVar[set[str]] = {"model_dir", "source"}
 
     model_dir: str = ""
     tokenizer_fingerprint: str = ""
@@ -115,10 +120,61 @@ class PreparedData(StageManifest):
     records_read: int = 0
     records_kept: int = 0
     skipped: dict[str, int] = Field(default_factory=dict, description="reason -> count")
+    skip_examples: dict[str, list[str]] = Field(default_factory=dict, description="reason -> first record ids + detail")
     num_tokens: int = 0
     num_trainable_tokens: int = 0
     vocab_map: VocabMapInfo | None = None
     unreadable_tail_bytes: int = 0
 
+    def _content(self) -> dict[str, Any]:
+        c = super()._content()
+        c["config"] = {k: v for k, v in c["config"].items() if k != "data"}  # a path; the content is in inputs
+        return c
+
     def shard_paths(self, root: str | Path, split: str) -> list[Path]:
         return [Path(root) / s.file for s in self.splits.get(split, [])]
+
+
+class HiddenShardInfo(BaseModel):
+    """One safetensors shard of extracted hidden states."""
+
+    file: str = Field(description="path relative to the stage dir")
+    sha256: str
+    split: str
+    num_samples: int
+    num_tokens: int
+    num_bytes: int
+
+
+class HiddenStates(StageManifest):
+    """Output of `eagle3 extract`: aux + final pre-norm hidden states, sharded and checksummed.
+
+    Layer ids follow vLLM: id k is the residual stream entering decoder layer k, id N the final
+    pre-norm output. Read it with `eagle3.extract.open_store(dir)`.
+    """
+
+    stage: ClassVar[str] = "extract"
+    format_version: ClassVar[int] = 1
+
+    model_dir: str = ""
+    model_fingerprint: str = ""
+    backend: str = ""
+    num_hidden_layers: int = 0
+    hidden_size: int = 0
+    aux_layer_ids: list[int] = Field(default_factory=list, description="the 3 aux ids (vLLM convention)")
+    layer_ids: list[int] = Field(default_factory=list, description="aux ids + [N], the order stored")
+    storage: str = "bf16"
+    index_file: str = "index.parquet"
+    index_sha256: str = ""
+    shards: list[HiddenShardInfo] = Field(default_factory=list)
+    splits: dict[str, dict[str, int]] = Field(default_factory=dict, description="split -> samples/tokens")
+    num_samples: int = 0
+    num_tokens: int = 0
+    num_bytes: int = 0
+    stats: dict[str, Any] = Field(
+        default_factory=dict, description="run statistics (tok/s, reused samples); not part of the fingerprint"
+    )
+
+    def _content(self) -> dict[str, Any]:
+        # A resumed or incremental run stores the same content with different run statistics.
+        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "stats", "model_dir"})

@@ -1,0 +1,1 @@
+"""Stage 1 (prepare): conversation readers, chat-template rendering + loss mask, vocab map, Parquet."""

@@ -1,0 +1,301 @@
+"""`eagle3 prepare`: conversations -> loss-masked token ids in Parquet shards + the draft vocab map.
+
+Streams the source once: read -> normalize -> dedup -> render -> tokenize (batched, fast
+tokenizer) -> truncate -> split -> write. Shards are written atomically and the manifest is
+written last, so its presence means the stage finished; a rerun with the same inputs and
+config returns that manifest without redoing any work.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3.artifacts import MANIFEST, PreparedData, ShardInfo, VocabMapInfo
+from eagle3.atomic import atomic_path, clean_temp_files, sha256_file
+from eagle3.config import DEFAULT_DRAFT_VOCAB, PrepareConfig
+from eagle3.data.normalize import Skip, normalize
+from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
+from eagle3.data.template import ChatRenderer, Rendered
+from eagle3.data.vocab import build_maps, save_maps, select_draft_tokens
+
+log = logging.getLogger("eagle3.prepare")
+
+VOCAB_FILE = "vocab_map.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+)
+SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("record_id", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+])
+_EXAMPLES = 3  # record ids kept per skip reason, for the report
+
+
+def tokenizer_fingerprint(model: str | Path) -> str:
+    """sha256 over the tokenizer and chat-template files of a model dir."""
+    d = Path(model)
+    h = hashlib.sha256()
+    found = [n for n in TOKENIZER_FILES if (d / n).is_file()]
+    if not found:
+        raise ValueError(f"{d}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); is it an HF model dir?")
+    for n in found:
+        h.update(f"{n}\0{sha256_file(d / n)}\n".encode())
+    return h.hexdigest()
+
+
+def load_tokenizer(model: str | Path):
+    from transformers import AutoTokenizer
+
+    d = Path(model)
+    if not d.is_dir():
+        raise ValueError(f"model dir {d} does not exist")
+    tokenizer_fingerprint(d)  # a clear error for a dir without a tokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(d))
+    except Exception as e:
+        raise ValueError(f"{d}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
+
+
+def sample_id(ids: np.ndarray, mask: np.ndarray) -> str:
+    """Content key of a sample: what later stages reuse work by."""
+    return hashlib.sha256(ids.astype(np.int32).tobytes() + b"|" + mask.astype(np.int8).tobytes()).hexdigest()[:32]
+
+
+def split_key(seed: int, sid: str) -> float:
+    """Deterministic uniform [0, 1) per sample; stable as the dataset grows (nightly runs)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{sid}".encode()).digest()[:8], "big") / 2**64
+
+
+@dataclass
+class _Shards:
+    """Buffers one split and writes a Parquet shard each `size` samples."""
+
+    out: Path
+    split: str
+    size: int
+    rows: list[tuple[str, str, np.ndarray, np.ndarray]] = field(default_factory=list)
+    infos: list[ShardInfo] = field(default_factory=list)
+
+    def add(self, row) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        name = f"{self.split}-{len(self.infos):05d}.parquet"
+        ids = [r[2] for r in self.rows]
+        masks = [r[3] for r in self.rows]
+        offsets = pa.array(np.concatenate([[0], np.cumsum([len(x) for x in ids])]).astype(np.int32))
+        table = pa.table(
+            [
+                pa.array([r[0] for r in self.rows], pa.string()),
+                pa.array([r[1] for r in self.rows], pa.string()),
+                pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(ids), pa.int32())),
+                pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(masks), pa.int8())),
+            ],
+            schema=SCHEMA,
+        )
+        with atomic_path(self.out / name) as tmp:
+            pq.write_table(table, tmp, compression="zstd")
+            digest = sha256_file(tmp)
+        self.infos.append(ShardInfo(
+            file=name, sha256=digest, num_samples=len(self.rows),
+            num_tokens=int(sum(len(x) for x in ids)), num_trainable_tokens=int(sum(int(m.sum()) for m in masks)),
+        ))
+        self.rows = []
+
+
+def _progress(total: int | None, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="conv", desc="prepare", disable=not enabled, dynamic_ncols=True, mininterval=1.0)
+
+
+def prepare(
+    model: str | Path,
+    out: str | Path,
+    cfg: PrepareConfig,
+    progress: bool = True,
+    on_sample: Callable[[str, np.ndarray, np.ndarray], None] | None = None,
+) -> PreparedData:
+    """Run stage 1. Returns the manifest (also written to `out/manifest.json`)."""
+    model, out = Path(model), Path(out)
+    src = resolve_source(cfg.data)
+    inputs = {"source": fingerprint_source(src), "tokenizer": tokenizer_fingerprint(model)}
+    config = cfg.model_dump(mode="json")
+    if (out / MANIFEST).is_file():
+        try:
+            done = PreparedData.read(out)
+            if done.inputs == inputs and done.config == config:
+                log.info("prepare: %s already holds this exact result; nothing to do", out)
+                return done
+        except ValueError:
+            pass
+    tok = load_tokenizer(model)
+    renderer = ChatRenderer(tok, name=f"the tokenizer of {model}")
+    overhead = renderer.template_overhead()
+    if cfg.max_len <= overhead:
+        raise ValueError(
+            f"--max-len {cfg.max_len} leaves no room for an answer: this chat template spends "
+            f"{overhead} tokens before the first assistant token of a one-word exchange; use --max-len > {overhead}"
+        )
+    V = len(tok)
+    draft_vocab = cfg.draft_vocab or min(DEFAULT_DRAFT_VOCAB, V)
+    if draft_vocab > V:
+        raise ValueError(f"--draft-vocab {draft_vocab} exceeds the target vocab size {V}")
+
+    # A stale manifest must never describe the shards we are about to overwrite.
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+    clean_temp_files(out)
+    for old in out.glob("*.parquet"):
+        old.unlink()
+
+    stats = ReadStats()
+    skipped: Counter[str] = Counter()
+    examples: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    shards = {s: _Shards(out, s, cfg.shard_samples) for s in ("train", "val")}
+    counts = np.zeros(V, dtype=np.int64)  # loss-masked token frequencies, train split
+    n_read = n_kept = n_tok = n_train_tok = 0
+    last_train: tuple[float, tuple] | None = None  # smallest-key train sample still in the buffer
+
+    def skip(rid: str, reason: str, detail: str = "") -> None:
+        skipped[reason] += 1
+        ex = examples.setdefault(reason, [])
+        if len(ex) < _EXAMPLES:
+            ex.append(f"{rid}: {detail}" if detail else rid)
+
+    pending: list[tuple[str, Rendered]] = []
+    bar = _progress(cfg.limit, progress)
+    t0 = time.perf_counter()
+
+    def flush_pending() -> None:
+        nonlocal n_kept, n_tok, n_train_tok, last_train
+        if not pending:
+            return
+        encoded = renderer.encode([r for _, r in pending], cfg.max_len)
+        for (rid, _), (ids, mask) in zip(pending, encoded):
+            if not mask.any():
+                skip(rid, "no_trainable_tokens", f"no assistant token within the first {cfg.max_len} tokens")
+                continue
+            sid = sample_id(ids, mask)
+            key = split_key(cfg.seed, sid)
+            split = "val" if key < cfg.val_fraction else "train"
+            row = (sid, rid, ids, mask)
+            shards[split].add(row)
+            if on_sample is not None:
+                on_sample(rid, ids, mask)
+            if split == "train":
+                np.add.at(counts, ids[mask == 1], 1)
+                if last_train is None or key < last_train[0]:
+                    last_train = (key, row)
+                if not shards["train"].rows:  # buffer flushed: that sample is on disk now
+                    last_train = None
+            n_kept += 1
+            n_tok += len(ids)
+            n_train_tok += int(mask.sum())
+        pending.clear()
+        dt = max(time.perf_counter() - t0, 1e-9)
+        bar.set_postfix_str(f"{n_tok / dt:,.0f} tok/s, kept {n_kept}")
+
+    for rec in iter_source(src, stats):
+        if cfg.limit is not None and n_read >= cfg.limit:
+            break
+        n_read += 1
+        bar.update(1)
+        if isinstance(rec, Bad):
+            skip(rec.record_id, rec.reason, rec.detail)
+            continue
+        try:
+            msgs = normalize(rec.obj, cfg.same_role)
+            key = hashlib.sha256(repr([(m["role"], m["content"]) for m in msgs]).encode()).hexdigest()
+            if key in seen:
+                raise Skip("duplicate", "same conversation as an earlier record")
+            seen.add(key)
+            pending.append((rec.record_id, renderer.render(msgs)))
+        except Skip as s:
+            skip(rec.record_id, s.reason, s.detail)
+            continue
+        if len(pending) >= cfg.batch_size:
+            flush_pending()
+    flush_pending()
+    bar.close()
+
+    # Guarantee a validation set: move the train sample with the smallest split key
+    # (deterministic) if the hash split left val empty. Only a buffered sample can move.
+    if not shards["val"].rows and not shards["val"].infos and cfg.min_val and n_kept >= 2 and last_train:
+        row = last_train[1]
+        shards["train"].rows = [r for r in shards["train"].rows if r is not row]
+        shards["val"].add(row)
+        np.add.at(counts, row[2][row[3] == 1], -1)
+    for s in shards.values():
+        s.flush()
+    if n_kept == 0:
+        raise ValueError(
+            f"{cfg.data}: no usable conversation among {n_read} read; skipped: {dict(skipped)}; "
+            f"examples: {examples}"
+        )
+
+    target_ids = select_draft_tokens(counts, draft_vocab)
+    d2t, t2d = build_maps(target_ids, V)
+    save_maps(out / VOCAB_FILE, d2t, t2d)
+    total = int(counts.sum())
+    coverage = float(counts[target_ids].sum() / total) if total else 0.0
+
+    m = PreparedData(
+        config=config,
+        inputs=inputs,
+        model_dir=str(model),
+        tokenizer_fingerprint=inputs["tokenizer"],
+        source=str(src),
+        source_fingerprint=inputs["source"],
+        splits={s: v.infos for s, v in shards.items()},
+        records_read=n_read,
+        records_kept=n_kept,
+        skipped=dict(sorted(skipped.items())),
+        skip_examples=examples,
+        num_tokens=n_tok,
+        num_trainable_tokens=n_train_tok,
+        vocab_map=VocabMapInfo(
+            sha256=sha256_file(out / VOCAB_FILE), draft_vocab_size=draft_vocab,
+            target_vocab_size=V, coverage=coverage,
+        ),
+        unreadable_tail_bytes=stats.unreadable_tail_bytes,
+    )
+    m.write(out)
+    dt = time.perf_counter() - t0
+    log.info(
+        "prepare: read %d, kept %d, skipped %s; %d tokens (%d trainable) in %.1fs = %.0f tok/s; "
+        "draft vocab %d covers %.2f%% of trainable tokens",
+        n_read, n_kept, dict(skipped), n_tok, n_train_tok, dt, n_tok / max(dt, 1e-9), draft_vocab, 100 * coverage,
+    )
+    for note in stats.notes:
+        log.warning("prepare: %s", note)
+    return m
+
+
+def read_split(prepared: str | Path, split: str) -> pa.Table:
+    """All samples of one split as one Arrow table (verifies shard checksums)."""
+    m = PreparedData.read(prepared)
+    tables = []
+    for info in m.splits.get(split, []):
+        path = Path(prepared) / info.file
+        if sha256_file(path) != info.sha256:
+            raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
+        tables.append(pq.read_table(path))
+    return pa.concat_tables(tables) if tables else SCHEMA.empty_table()

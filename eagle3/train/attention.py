@@ -1,0 +1,218 @@
+"""Training-time-test (TTT) attention without an L x (L*k) mask.
+
+In TTT step j the query at position t attends to
+  * the step-0 keys at positions s <= t of the same document (causal, packed-aware), and
+  * the keys that steps 1..j produced at position t itself (the "diagonal").
+(REFERENCE §1; EAGLE-3, arXiv 2503.01840.) The usual implementation concatenates all keys
+and builds a dense [L, L*(j+1)] mask, which is B*heads*L*(L*k) scores: the field's main OOM.
+
+Here the two parts are merged with a log-sum-exp instead. `TTTAttention` is an autograd
+Function that walks over blocks of queries: the forward pass keeps only the output and the
+log-sum-exp per query; the backward pass recomputes each block's probabilities from them
+(FlashAttention's trick). Extra memory is O(L*(block + k)) per head, never O(L^2).
+Why not a kernel: on CPU (torch 2.13) SDPA's flash kernel returns a logsumexp with no
+gradient, and flex_attention has no CPU backward. The Function is plain torch, so it also
+runs on CUDA.
+
+Shapes: B batch rows, Hq query heads, Hkv kv heads (GQA: q head h uses kv head h // G,
+G = Hq // Hkv, the convention of HF's repeat_kv), L positions, D head dim, j diagonal steps.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+DEFAULT_BLOCK = 128
+
+
+def doc_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document index per position of packed rows whose position ids restart at 0 per document.
+
+    position_ids: [B, L] -> doc: [B, L] (int64, 0-based within each row).
+    """
+    return (position_ids == 0).long().cumsum(-1) - (position_ids[..., :1] == 0).long()
+
+
+def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Document index per position of one packed row from cumulative lengths [0, l0, l0+l1, ...].
+
+    cu_seqlens: [n_docs + 1] -> doc: [1, L]. Positions past cu_seqlens[-1] (if total is larger)
+    form one more document, so a filler tail never attends into real data.
+    """
+    cu = cu_seqlens.long()
+    total = int(cu[-1]) if total is None else total
+    pos = torch.arange(total, device=cu.device)
+    return torch.searchsorted(cu[1:], pos, right=True)[None]
+
+
+def _doc_starts(doc: torch.Tensor) -> torch.Tensor:
+    """First index of each position's document, min over rows. doc: [B, L] -> [L] int64."""
+    L = doc.shape[-1]
+    idx = torch.arange(L, device=doc.device)
+    new = torch.ones_like(doc, dtype=torch.bool)
+    new[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    start = torch.where(new, idx, torch.zeros_like(idx)).cummax(-1).values  # [B, L]
+    return start.min(0).values
+
+
+def _block_scores(q_blk, k0, kd, doc, a, b, lo, scale):
+    """Scores of one query block [a, b) against step-0 keys [lo, b) and the diagonal.
+
+    q_blk: [B, Hkv, G, n, D]; k0: [B, Hkv, L, D]; kd: [B, Hkv, j, L, D]; doc: [B, L] or None.
+    Returns s0: [B, Hkv, G, n, b-lo] (masked entries -inf) and sd: [B, Hkv, G, j, n].
+    """
+    B, Hkv, G, n, D = q_blk.shape
+    # s0 = q @ k^T over the key window only; all G query heads of a kv head share one matmul.
+    s0 = torch.matmul(q_blk.reshape(B, Hkv, G * n, D), k0[:, :, lo:b].transpose(-1, -2))
+    s0 = s0.view(B, Hkv, G, n, b - lo).mul_(scale)
+    tq = torch.arange(a, b, device=q_blk.device)
+    tk = torch.arange(lo, b, device=q_blk.device)
+    allowed = tk[None, :] <= tq[:, None]  # [n, b-lo] causal
+    if doc is not None:
+        allowed = allowed & (doc[:, None, lo:b] == doc[:, a:b, None])  # [B, n, b-lo] same document
+        allowed = allowed[:, None, None]
+    s0.masked_fill_(~allowed, float("-inf"))
+    # sd[.., i, t] = q_t . kd_i,t: one dot product per (step, position), no L x L anything.
+    sd = torch.einsum("bhgnd,bhjnd->bhgjn", q_blk, kd[:, :, :, a:b]).mul_(scale)
+    return s0, sd
+
+
+class TTTAttention(torch.autograd.Function):
+    """Blockwise TTT attention; see the module docstring. Inputs already carry RoPE."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, kd, vd, doc, scale, block):
+        # q: [B, Hq, L, D]; k0, v0: [B, Hkv, L, D]; kd, vd: [B, Hkv, j, L, D]; doc: [B, L] or None
+        B, Hq, L, D = q.shape
+        Hkv = k0.shape[1]
+        G = Hq // Hkv
+        qg = q.view(B, Hkv, G, L, D)
+        out = torch.empty_like(qg)  # [B, Hkv, G, L, D]
+        lse = torch.empty(B, Hkv, G, L, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        starts = _doc_starts(doc) if doc is not None else None
+        for a in range(0, L, block):
+            b = min(a + block, L)
+            lo = int(starts[a]) if starts is not None else 0  # keys before lo are other documents
+            s0, sd = _block_scores(qg[:, :, :, a:b], k0, kd, doc, a, b, lo, scale)
+            # m: [B, Hkv, G, n] running max over both parts, for a stable exp.
+            m = torch.maximum(s0.amax(-1), sd.amax(-2)) if sd.shape[-2] else s0.amax(-1)
+            p0 = s0.sub_(m[..., None]).exp_()  # in place: s0 is not needed again
+            pd = sd.sub_(m[..., None, :]).exp_()  # [B, Hkv, G, j, n]
+            z = p0.sum(-1) + pd.sum(-2)  # [B, Hkv, G, n]
+            o = torch.matmul(p0.view(B, Hkv, G * (b - a), b - lo), v0[:, :, lo:b]).view(B, Hkv, G, b - a, D)
+            o += torch.einsum("bhgjn,bhjnd->bhgnd", pd, vd[:, :, :, a:b])
+            out[:, :, :, a:b] = o / z[..., None]
+            lse[:, :, :, a:b] = m + z.log()
+        ctx.save_for_backward(q, k0, v0, kd, vd, doc, out, lse)
+        ctx.scale, ctx.block = scale, block
+        return out.view(B, Hq, L, D)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, kd, vd, doc, out, lse = ctx.saved_tensors
+        scale, block = ctx.scale, ctx.block
+        B, Hq, L, D = q.shape
+        Hkv = k0.shape[1]
+        G = Hq // Hkv
+        qg = q.view(B, Hkv, G, L, D)
+        do = dout.reshape(B, Hkv, G, L, D)
+        # delta_t = sum_s P_ts dP_ts = dO_t . O_t (FlashAttention-2, eq. for dS)
+        delta = (do * out).sum(-1)  # [B, Hkv, G, L]
+        dq = torch.zeros_like(qg)
+        dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
+        dkd, dvd = torch.zeros_like(kd), torch.zeros_like(vd)
+        starts = _doc_starts(doc) if doc is not None else None
+        for a in range(0, L, block):
+            b = min(a + block, L)
+            n = b - a
+            lo = int(starts[a]) if starts is not None else 0
+            q_blk, do_blk = qg[:, :, :, a:b], do[:, :, :, a:b]
+            s0, sd = _block_scores(q_blk, k0, kd, doc, a, b, lo, scale)
+            l_blk, d_blk = lse[:, :, :, a:b, None], delta[:, :, :, a:b, None]
+            p0 = s0.sub_(l_blk).exp_()  # [B, Hkv, G, n, b-lo], exact probabilities
+            pd = sd.sub_(l_blk.transpose(-1, -2)).exp_()  # [B, Hkv, G, j, n]
+            p0f = p0.view(B, Hkv, G * n, b - lo)
+            do_f = do_blk.reshape(B, Hkv, G * n, D)
+            q_f = q_blk.reshape(B, Hkv, G * n, D)
+            # step-0 part: dV = P^T dO; dP = dO V^T; dS = P (dP - delta)
+            dv0[:, :, lo:b] += torch.matmul(p0f.transpose(-1, -2), do_f)
+            dp = torch.matmul(do_f, v0[:, :, lo:b].transpose(-1, -2)).view_as(p0)
+            ds = p0.mul_(dp.sub_(d_blk)).mul_(scale)  # reuse p0's memory
+            dsf = ds.view(B, Hkv, G * n, b - lo)
+            dq_blk = torch.matmul(dsf, k0[:, :, lo:b]).view(B, Hkv, G, n, D)
+            dk0[:, :, lo:b] += torch.matmul(dsf.transpose(-1, -2), q_f)
+            # diagonal part, per (step i, position t)
+            dvd[:, :, :, a:b] += torch.einsum("bhgjn,bhgnd->bhjnd", pd, do_blk)
+            dpd = torch.einsum("bhgnd,bhjnd->bhgjn", do_blk, vd[:, :, :, a:b])
+            dsd = pd.mul_(dpd.sub_(d_blk.transpose(-1, -2))).mul_(scale)
+            dq_blk += torch.einsum("bhgjn,bhjnd->bhgnd", dsd, kd[:, :, :, a:b])
+            dkd[:, :, :, a:b] += torch.einsum("bhgjn,bhgnd->bhjnd", dsd, q_blk)
+            dq[:, :, :, a:b] = dq_blk
+        return dq.view(B, Hq, L, D), dk0, dv0, dkd, dvd, None, None, None
+
+
+def ttt_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    kd: torch.Tensor | None = None,
+    vd: torch.Tensor | None = None,
+    doc: torch.Tensor | None = None,
+    scale: float | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """Attention of TTT step j = kd.shape[2] (0 when kd is None).
+
+    q: [B, Hq, L, D] step-j queries; k0, v0: [B, Hkv, L, D] step-0 keys/values;
+    kd, vd: [B, Hkv, j, L, D] keys/values of steps 1..j; doc: [B, L] document index of each
+    position in packed rows (None: one document per row). Returns [B, Hq, L, D].
+    """
+    B, Hq, L, D = q.shape
+    if k0.shape != v0.shape or k0.shape[0] != B or k0.shape[2:] != (L, D):
+        raise ValueError(f"k0/v0 must be [B, Hkv, L, D] = [{B}, Hkv, {L}, {D}], got {tuple(k0.shape)}, {tuple(v0.shape)}")
+    Hkv = k0.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if kd is None:
+        kd = k0.new_empty(B, Hkv, 0, L, D)
+        vd = v0.new_empty(B, Hkv, 0, L, D)
+    if kd.shape != vd.shape or kd.shape[:2] != (B, Hkv) or kd.shape[3:] != (L, D):
+        raise ValueError(f"kd/vd must be [B, Hkv, j, L, D], got {tuple(kd.shape)}, {tuple(vd.shape)}")
+    if doc is not None and doc.shape != (B, L):
+        raise ValueError(f"doc must be [B, L] = [{B}, {L}], got {tuple(doc.shape)}")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    q, k0, v0, kd, vd = (x.contiguous() for x in (q, k0, v0, kd, vd))
+    return TTTAttention.apply(q, k0, v0, kd, vd, doc, scale, block)
+
+
+def dense_ttt_attention(q, k0, v0, kd=None, vd=None, doc=None, scale=None) -> torch.Tensor:
+    """The plain reference: concatenate all keys and apply a dense [L, L*(j+1)] boolean mask.
+
+    Same arguments as `ttt_attention`. Memory O(L^2 * k): for tests and benchmarks only.
+    """
+    B, Hq, L, D = q.shape
+    Hkv = k0.shape[1]
+    G = Hq // Hkv
+    j = 0 if kd is None else kd.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    keys = [k0] + ([kd[:, :, i] for i in range(j)] if j else [])
+    vals = [v0] + ([vd[:, :, i] for i in range(j)] if j else [])
+    k = torch.cat(keys, 2).repeat_interleave(G, 1)  # [B, Hq, L*(j+1), D]
+    v = torch.cat(vals, 2).repeat_interleave(G, 1)
+    mask = ttt_dense_mask(L, j, doc, q.device)  # [B or 1, L, L*(j+1)]
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    return torch.matmul(s.softmax(-1), v)
+
+
+def ttt_dense_mask(L: int, j: int, doc: torch.Tensor | None, device=None) -> torch.Tensor:
+    """Boolean [B, L, L*(j+1)] mask: causal same-document block, then j identity blocks."""
+    idx = torch.arange(L, device=device)
+    causal = (idx[None, :] <= idx[:, None])[None]  # [1, L, L]
+    if doc is not None:
+        causal = causal & (doc[:, None, :] == doc[:, :, None])
+    eye = torch.eye(L, dtype=torch.bool, device=device)[None].expand(causal.shape[0], L, L)
+    return torch.cat([causal] + [eye] * j, -1)
