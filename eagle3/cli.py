@@ -76,8 +76,32 @@ def _cmd_prepare(a) -> None:
             print(show(tok, row["input_ids"], row["loss_mask"], color=sys.stdout.isatty()))
 
 
+# ---------------------------------------------------------------- run
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="run the whole pipeline as a Prefect flow (embedded Prefect, no server needed)")
+    p.add_argument("--config", required=True, help="PipelineConfig as YAML or JSON")
+    p.add_argument("--run-dir", default=None, help="override the config's run_dir")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(a) -> None:
+    from eagle3.config import PipelineConfig
+
+    cfg = PipelineConfig.from_file(a.config)
+    if a.run_dir:
+        cfg = cfg.model_copy(update={"run_dir": a.run_dir})
+    # With no PREFECT_API_URL Prefect starts a temporary local server; it needs ~18 s cold
+    # here, against a 20 s default timeout (REFERENCE §3).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.pipeline import pipeline
+
+    result = pipeline(cfg)
+    print(json.dumps(result, indent=1))
+
+
 # ---------------------------------------------------------------- main
-_ADDERS = [_add_assets, _add_prepare]
+_ADDERS = [_add_assets, _add_prepare, _add_run]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -186,33 +186,3 @@ def ttt_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     q, k0, v0, kd, vd = (x.contiguous() for x in (q, k0, v0, kd, vd))
     return TTTAttention.apply(q, k0, v0, kd, vd, doc, scale, block)
-
-
-def dense_ttt_attention(q, k0, v0, kd=None, vd=None, doc=None, scale=None) -> torch.Tensor:
-    """The plain reference: concatenate all keys and apply a dense [L, L*(j+1)] boolean mask.
-
-    Same arguments as `ttt_attention`. Memory O(L^2 * k): for tests and benchmarks only.
-    """
-    B, Hq, L, D = q.shape
-    Hkv = k0.shape[1]
-    G = Hq // Hkv
-    j = 0 if kd is None else kd.shape[2]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    keys = [k0] + ([kd[:, :, i] for i in range(j)] if j else [])
-    vals = [v0] + ([vd[:, :, i] for i in range(j)] if j else [])
-    k = torch.cat(keys, 2).repeat_interleave(G, 1)  # [B, Hq, L*(j+1), D]
-    v = torch.cat(vals, 2).repeat_interleave(G, 1)
-    mask = ttt_dense_mask(L, j, doc, q.device)  # [B or 1, L, L*(j+1)]
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask[:, None], float("-inf"))
-    return torch.matmul(s.softmax(-1), v)
-
-
-def ttt_dense_mask(L: int, j: int, doc: torch.Tensor | None, device=None) -> torch.Tensor:
-    """Boolean [B, L, L*(j+1)] mask: causal same-document block, then j identity blocks."""
-    idx = torch.arange(L, device=device)
-    causal = (idx[None, :] <= idx[:, None])[None]  # [1, L, L]
-    if doc is not None:
-        causal = causal & (doc[:, None, :] == doc[:, :, None])
-    eye = torch.eye(L, dtype=torch.bool, device=device)[None].expand(causal.shape[0], L, L)
-    return torch.cat([causal] + [eye] * j, -1)

@@ -1,0 +1,1 @@
+"""Prefect flows: the pipeline (stages in order) and, later, the nightly retrain."""

@@ -1,0 +1,33 @@
+"""Cache keys built from content fingerprints, never from path strings (REFERENCE §3).
+
+Prefect's INPUTS policy hashes a path as a string, so an edited file at the same path would
+still hit the cache. A stage's key here is sha256 over: the stage name, its format version,
+the content fingerprints of its inputs, and its config. The flow refreshes a cached stage
+whose output dir is gone (see `flows.pipeline`), so a hit never points at missing files.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from prefect.cache_policies import TASK_SOURCE, CachePolicy
+
+from eagle3.atomic import sha256_json
+
+
+@dataclass
+class ContentKey(CachePolicy):
+    """`fingerprints(inputs) -> dict` names everything the stage's output depends on."""
+
+    stage: str = ""
+    fingerprints: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None
+
+    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any):
+        if self.fingerprints is None:
+            return None
+        return sha256_json({"stage": self.stage, **self.fingerprints(inputs)})
+
+
+def content_policy(stage: str, fingerprints: Callable[[dict[str, Any]], dict[str, Any]]) -> CachePolicy:
+    """Content key + the task's own source (an edited task body is a new key)."""
+    return ContentKey(stage=stage, fingerprints=fingerprints) + TASK_SOURCE

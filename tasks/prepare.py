@@ -1,0 +1,55 @@
+"""Prefect task for stage 1 (prepare)."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+
+from eagle3.artifacts import PreparedData
+from eagle3.config import PrepareConfig
+from eagle3.data.prepare import prepare, tokenizer_fingerprint
+from eagle3.data.readers import fingerprint_source, resolve_source
+from tasks._cache import content_policy
+
+
+def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
+    cfg: PrepareConfig = inputs["cfg"]
+    return {
+        "format": PreparedData.format_version,
+        "source": fingerprint_source(resolve_source(cfg.data)),
+        "tokenizer": tokenizer_fingerprint(inputs["model"]),
+        "config": cfg.model_dump(mode="json", exclude={"data"}),
+    }
+
+
+def counts_table(m: PreparedData) -> list[dict[str, Any]]:
+    rows = [
+        {"what": "conversations read", "value": m.records_read},
+        {"what": "conversations kept", "value": m.records_kept},
+        *({"what": f"skipped: {k}", "value": v} for k, v in m.skipped.items()),
+        {"what": "train samples", "value": sum(s.num_samples for s in m.splits.get("train", []))},
+        {"what": "val samples", "value": sum(s.num_samples for s in m.splits.get("val", []))},
+        {"what": "tokens", "value": m.num_tokens},
+        {"what": "trainable tokens", "value": m.num_trainable_tokens},
+        {"what": "draft vocab", "value": m.vocab_map.draft_vocab_size if m.vocab_map else 0},
+        {"what": "draft vocab coverage", "value": round(m.vocab_map.coverage, 6) if m.vocab_map else 0},
+        {"what": "unreadable tail bytes", "value": m.unreadable_tail_bytes},
+    ]
+    return rows
+
+
+@task(
+    name="prepare",
+    cache_policy=content_policy("prepare", _fingerprints),
+    retries=2,
+    retry_delay_seconds=[2, 10],
+)
+def prepare_task(model: str, out: str, cfg: PrepareConfig) -> PreparedData:
+    """Render, mask and tokenize the conversations; build the draft vocab map."""
+    log = get_run_logger()
+    m = prepare(model, out, cfg, progress=False)
+    log.info("prepare: kept %d of %d conversations, %d tokens; skipped %s",
+             m.records_kept, m.records_read, m.num_tokens, m.skipped)
+    create_table_artifact(counts_table(m), key="prepare-counts", description="eagle3 prepare: counts")
+    return m
