@@ -178,3 +178,35 @@ class HiddenStates(StageManifest):
     def _content(self) -> dict[str, Any]:
         # A resumed or incremental run stores the same content with different run statistics.
         return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "stats", "model_dir"})
+
+
+class TensorInfo(BaseModel):
+    """One stored tensor: its shape, dtype and where it came from."""
+
+    shape: list[int]
+    dtype: str
+    source: str = Field(description="tensor name in the source checkpoint, or how it was derived")
+
+
+class VerifierWeights(StageManifest):
+    """Output of `eagle3 verifier`: `verifier.safetensors` with the target's embed_tokens [V, H],
+    final norm [H], lm_head [V, H], lm_head_draft [Vd, H] (the draft-vocab rows), d2t [Vd], t2d [V]."""
+
+    stage: ClassVar[str] = "verifier"
+    format_version: ClassVar[int] = 1
+
+    model_dir: str = ""
+    architecture: str = ""
+    file: str = "verifier.safetensors"
+    sha256: str = ""
+    tensors: dict[str, TensorInfo] = Field(default_factory=dict)
+    source_files: dict[str, str] = Field(default_factory=dict, description="source file -> sha256")
+    tied_embeddings: bool = False
+    hidden_size: int = 0
+    vocab_size: int = 0
+    draft_vocab_size: int = 0
+    rms_norm_eps: float = 0.0
+
+    def _content(self) -> dict[str, Any]:
+        # Keyed on content (source checksums, tensors), not on where the model dir happens to be.
+        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "model_dir", "config"})

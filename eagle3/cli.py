@@ -100,8 +100,68 @@ def _cmd_run(a) -> None:
     print(json.dumps(result, indent=1))
 
 
+# ---------------------------------------------------------------- extract
+def _add_extract(sub) -> None:
+    p = sub.add_parser("extract", help="stage 2: store the target's aux + final hidden states of prepared samples")
+    p.add_argument("--model", required=True, help="target HF model dir")
+    p.add_argument("--prepared", required=True, help="output dir of `eagle3 prepare`")
+    p.add_argument("--out", required=True, help="output dir (rerun the same command to resume)")
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="hf (transformers) or vllm (GPU host)")
+    p.add_argument("--aux-layers", default=None, metavar="A,B,C",
+                   help="3 vLLM-convention aux ids (id k = stream entering layer k); default 2,N//2,N-3")
+    p.add_argument("--storage", choices=["bf16", "fp32", "fp8", "fp8-aux"], default="bf16",
+                   help="bf16 (default); fp32; fp8 e4m3 per-token scale for all states; fp8 for aux only")
+    p.add_argument("--shard-bytes", type=int, default=1 << 30, help="target shard size (default 1 GiB)")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="hf: token budget of one forward batch")
+    p.add_argument("--splits", default="train,val", help="prepared splits to extract (default train,val)")
+    p.add_argument("--reuse", action="append", default=[], metavar="DIR",
+                   help="an earlier extract dir whose samples are copied instead of recomputed (repeatable)")
+    p.add_argument("--tp", type=int, default=1, help="vllm: tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="vllm: pipeline parallel size")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm: gpu_memory_utilization")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vllm: max_num_batched_tokens")
+    p.set_defaults(func=_cmd_extract)
+
+
+def _cmd_extract(a) -> None:
+    from eagle3.config import ExtractConfig
+    from eagle3.extract import run_extract
+
+    try:
+        aux = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None
+    except ValueError:
+        raise UserError(f"--aux-layers {a.aux_layers!r}: expected three comma-separated integers") from None
+    cfg = ExtractConfig(
+        backend=a.backend, aux_layer_ids=aux, storage=a.storage, shard_bytes=a.shard_bytes,
+        batch_tokens=a.batch_tokens, splits=[s for s in a.splits.split(",") if s],
+        tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
+        gpu_memory_utilization=a.gpu_memory_utilization, max_num_batched_tokens=a.max_num_batched_tokens,
+    )
+    m = run_extract(a.model, a.prepared, a.out, cfg, reuse=a.reuse)
+    print(json.dumps({"out": a.out, "layer_ids": m.layer_ids, "storage": m.storage,
+                      "num_samples": m.num_samples, "num_tokens": m.num_tokens,
+                      "shards": len(m.shards), **m.stats}, indent=1))
+
+
+# ---------------------------------------------------------------- verifier
+def _add_verifier(sub) -> None:
+    p = sub.add_parser("verifier", help="stage 3a: read the target's embedding, final norm and lm_head")
+    p.add_argument("--model", required=True, help="target HF model dir (safetensors, sharded or single)")
+    p.add_argument("--prepared", required=True, help="output dir of `eagle3 prepare` (for the draft vocab map)")
+    p.add_argument("--out", required=True, help="output dir: verifier.safetensors + manifest.json")
+    p.set_defaults(func=_cmd_verifier)
+
+
+def _cmd_verifier(a) -> None:
+    from eagle3.verifier import extract_verifier
+
+    m = extract_verifier(a.model, a.prepared, a.out)
+    print(json.dumps({"out": a.out, "architecture": m.architecture, "tied_embeddings": m.tied_embeddings,
+                      "tensors": {k: v.shape for k, v in m.tensors.items()}}, indent=1))
+
+
 # ---------------------------------------------------------------- main
-_ADDERS = [_add_assets, _add_prepare, _add_run]
+_ADDERS = [_add_assets, _add_prepare, _add_extract, _add_run, _add_verifier]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -64,7 +64,11 @@ def resolve_source(src: str) -> Path:
 def source_files(path: Path) -> list[Path]:
     """The files a source reads, in a fixed order (what its fingerprint covers)."""
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in {".arrow", ".parquet", ".jsonl", ".json"})
+        # A `datasets.save_to_disk` dir (state.json / dataset_dict.json beside Arrow files):
+        # its .json files are metadata, only the .arrow files hold records.
+        hf = any(path.rglob("state.json")) or (path / "dataset_dict.json").is_file()
+        kinds = {".arrow"} if hf else {".arrow", ".parquet", ".jsonl", ".json"}
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in kinds)
         if not files:
             raise ValueError(f"{path}: directory holds no .arrow/.parquet/.jsonl/.json files")
         return files
@@ -75,10 +79,11 @@ def fingerprint_source(path: Path) -> str:
     """Content fingerprint: sha256 over (relative name, sha256) of every file read."""
     import hashlib
 
+    if not path.is_dir():
+        return sha256_file(path)
     h = hashlib.sha256()
-    base = path if path.is_dir() else path.parent
     for f in source_files(path):
-        h.update(f"{f.relative_to(base)}\0{sha256_file(f)}\n".encode())
+        h.update(f"{f.relative_to(path)}\0{sha256_file(f)}\n".encode())
     return h.hexdigest()
 
 

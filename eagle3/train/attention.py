@@ -20,6 +20,7 @@ G = Hq // Hkv, the convention of HF's repeat_kv), L positions, D head dim, j dia
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -59,8 +60,9 @@ def _doc_starts(doc: torch.Tensor) -> torch.Tensor:
 def _block_scores(q_blk, k0, kd, doc, a, b, lo, scale):
     """Scores of one query block [a, b) against step-0 keys [lo, b) and the diagonal.
 
-    q_blk: [B, Hkv, G, n, D]; k0: [B, Hkv, L, D]; kd: [B, Hkv, j, L, D]; doc: [B, L] or None.
-    Returns s0: [B, Hkv, G, n, b-lo] (masked entries -inf) and sd: [B, Hkv, G, j, n].
+    q_blk: [B, Hkv, G, n, D]; k0: [B, Hkv, L, D]; kd: j tensors [B, Hkv, L, D]; doc: [B, L] or None.
+    Returns s0: [B, Hkv, G, n, b-lo] (masked entries -inf), sd: [B, Hkv, G, j, n] and the
+    block's diagonal keys kd_blk: [B, Hkv, j, n, D].
     """
     B, Hkv, G, n, D = q_blk.shape
     # s0 = q @ k^T over the key window only; all G query heads of a kv head share one matmul.
@@ -74,99 +76,122 @@ def _block_scores(q_blk, k0, kd, doc, a, b, lo, scale):
         allowed = allowed[:, None, None]
     s0.masked_fill_(~allowed, float("-inf"))
     # sd[.., i, t] = q_t . kd_i,t: one dot product per (step, position), no L x L anything.
-    sd = torch.einsum("bhgnd,bhjnd->bhgjn", q_blk, kd[:, :, :, a:b]).mul_(scale)
-    return s0, sd
+    kd_blk = _stack_block(kd, a, b, q_blk)
+    sd = torch.einsum("bhgnd,bhjnd->bhgjn", q_blk, kd_blk).mul_(scale)
+    return s0, sd, kd_blk
+
+
+def _stack_block(xs, a, b, like):
+    """j tensors [B, Hkv, L, D] -> their rows [a, b) stacked: [B, Hkv, j, b-a, D]."""
+    if not xs:
+        B, Hkv, G, n, D = like.shape
+        return like.new_empty(B, Hkv, 0, b - a, D)
+    return torch.stack([x[:, :, a:b] for x in xs], 2)
 
 
 class TTTAttention(torch.autograd.Function):
-    """Blockwise TTT attention; see the module docstring. Inputs already carry RoPE."""
+    """Blockwise TTT attention; see the module docstring. Inputs already carry RoPE.
+
+    The diagonal keys/values come as separate tensors (`*kvd` = k_1..k_j, v_1..v_j), so a
+    TTT loop never re-stacks (and autograd never re-saves) the keys of earlier steps.
+    """
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, doc, scale, block):
-        # q: [B, Hq, L, D]; k0, v0: [B, Hkv, L, D]; kd, vd: [B, Hkv, j, L, D]; doc: [B, L] or None
+    def forward(ctx, q, k0, v0, doc, scale, block, *kvd):
+        # q: [B, Hq, L, D]; k0, v0: [B, Hkv, L, D]; kvd: 2j tensors [B, Hkv, L, D]; doc: [B, L] or None
         B, Hq, L, D = q.shape
         Hkv = k0.shape[1]
         G = Hq // Hkv
+        j = len(kvd) // 2
+        kd, vd = kvd[:j], kvd[j:]
         qg = q.view(B, Hkv, G, L, D)
         out = torch.empty_like(qg)  # [B, Hkv, G, L, D]
+        # lse in at least fp32: the backward pass rebuilds probabilities as exp(s - lse)
         lse = torch.empty(B, Hkv, G, L, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         starts = _doc_starts(doc) if doc is not None else None
         for a in range(0, L, block):
             b = min(a + block, L)
             lo = int(starts[a]) if starts is not None else 0  # keys before lo are other documents
-            s0, sd = _block_scores(qg[:, :, :, a:b], k0, kd, doc, a, b, lo, scale)
-            # m: [B, Hkv, G, n] running max over both parts, for a stable exp.
-            m = torch.maximum(s0.amax(-1), sd.amax(-2)) if sd.shape[-2] else s0.amax(-1)
-            p0 = s0.sub_(m[..., None]).exp_()  # in place: s0 is not needed again
+            s0, sd, _ = _block_scores(qg[:, :, :, a:b], k0, kd, doc, a, b, lo, scale)
+            # m: [B, Hkv, G, n] max over both parts, for a stable exp
+            m = torch.maximum(s0.amax(-1), sd.amax(-2)) if j else s0.amax(-1)
+            p0 = s0.sub_(m[..., None]).exp_()  # in place: the scores are not needed again
             pd = sd.sub_(m[..., None, :]).exp_()  # [B, Hkv, G, j, n]
             z = p0.sum(-1) + pd.sum(-2)  # [B, Hkv, G, n]
             o = torch.matmul(p0.view(B, Hkv, G * (b - a), b - lo), v0[:, :, lo:b]).view(B, Hkv, G, b - a, D)
-            o += torch.einsum("bhgjn,bhjnd->bhgnd", pd, vd[:, :, :, a:b])
+            o += torch.einsum("bhgjn,bhjnd->bhgnd", pd, _stack_block(vd, a, b, o))
             out[:, :, :, a:b] = o / z[..., None]
             lse[:, :, :, a:b] = m + z.log()
-        ctx.save_for_backward(q, k0, v0, kd, vd, doc, out, lse)
-        ctx.scale, ctx.block = scale, block
+        ctx.save_for_backward(q, k0, v0, doc, out, lse, *kvd)
+        ctx.scale, ctx.block, ctx.j = scale, block, j
         return out.view(B, Hq, L, D)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k0, v0, kd, vd, doc, out, lse = ctx.saved_tensors
-        scale, block = ctx.scale, ctx.block
+        q, k0, v0, doc, out, lse, *kvd = ctx.saved_tensors
+        scale, block, j = ctx.scale, ctx.block, ctx.j
+        kd, vd = kvd[:j], kvd[j:]
         B, Hq, L, D = q.shape
         Hkv = k0.shape[1]
         G = Hq // Hkv
         qg = q.view(B, Hkv, G, L, D)
         do = dout.reshape(B, Hkv, G, L, D)
-        # delta_t = sum_s P_ts dP_ts = dO_t . O_t (FlashAttention-2, eq. for dS)
+        # delta_t = sum_s P_ts dP_ts = dO_t . O_t (FlashAttention-2's trick for dS)
         delta = (do * out).sum(-1)  # [B, Hkv, G, L]
-        dq = torch.zeros_like(qg)
+        dq = torch.empty_like(qg)
         dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
-        dkd, dvd = torch.zeros_like(kd), torch.zeros_like(vd)
+        dkd = [torch.empty_like(x) for x in kd]  # each row is written by exactly one block
+        dvd = [torch.empty_like(x) for x in vd]
         starts = _doc_starts(doc) if doc is not None else None
         for a in range(0, L, block):
             b = min(a + block, L)
             n = b - a
             lo = int(starts[a]) if starts is not None else 0
             q_blk, do_blk = qg[:, :, :, a:b], do[:, :, :, a:b]
-            s0, sd = _block_scores(q_blk, k0, kd, doc, a, b, lo, scale)
+            s0, sd, kd_blk = _block_scores(q_blk, k0, kd, doc, a, b, lo, scale)
             l_blk, d_blk = lse[:, :, :, a:b, None], delta[:, :, :, a:b, None]
-            p0 = s0.sub_(l_blk).exp_()  # [B, Hkv, G, n, b-lo], exact probabilities
+            p0 = s0.sub_(l_blk).exp_()  # [B, Hkv, G, n, b-lo]: the exact probabilities again
             pd = sd.sub_(l_blk.transpose(-1, -2)).exp_()  # [B, Hkv, G, j, n]
             p0f = p0.view(B, Hkv, G * n, b - lo)
             do_f = do_blk.reshape(B, Hkv, G * n, D)
             q_f = q_blk.reshape(B, Hkv, G * n, D)
-            # step-0 part: dV = P^T dO; dP = dO V^T; dS = P (dP - delta)
+            # step-0 part: dV = P^T dO; dP = dO V^T; dS = P * (dP - delta)
             dv0[:, :, lo:b] += torch.matmul(p0f.transpose(-1, -2), do_f)
             dp = torch.matmul(do_f, v0[:, :, lo:b].transpose(-1, -2)).view_as(p0)
-            ds = p0.mul_(dp.sub_(d_blk)).mul_(scale)  # reuse p0's memory
+            ds = p0.mul_(dp.sub_(d_blk)).mul_(scale)  # reuses p0's memory
             dsf = ds.view(B, Hkv, G * n, b - lo)
             dq_blk = torch.matmul(dsf, k0[:, :, lo:b]).view(B, Hkv, G, n, D)
             dk0[:, :, lo:b] += torch.matmul(dsf.transpose(-1, -2), q_f)
-            # diagonal part, per (step i, position t)
-            dvd[:, :, :, a:b] += torch.einsum("bhgjn,bhgnd->bhjnd", pd, do_blk)
-            dpd = torch.einsum("bhgnd,bhjnd->bhgjn", do_blk, vd[:, :, :, a:b])
-            dsd = pd.mul_(dpd.sub_(d_blk.transpose(-1, -2))).mul_(scale)
-            dq_blk += torch.einsum("bhgjn,bhjnd->bhgnd", dsd, kd[:, :, :, a:b])
-            dkd[:, :, :, a:b] += torch.einsum("bhgjn,bhgnd->bhjnd", dsd, q_blk)
+            if j:  # diagonal part: one term per (step i, position t)
+                vd_blk = _stack_block(vd, a, b, q_blk)
+                dvd_blk = torch.einsum("bhgjn,bhgnd->bhjnd", pd, do_blk)
+                dpd = torch.einsum("bhgnd,bhjnd->bhgjn", do_blk, vd_blk)
+                dsd = pd.mul_(dpd.sub_(d_blk.transpose(-1, -2))).mul_(scale)
+                dq_blk += torch.einsum("bhgjn,bhjnd->bhgnd", dsd, kd_blk)
+                dkd_blk = torch.einsum("bhgjn,bhgnd->bhjnd", dsd, q_blk)
+                for i in range(j):
+                    dkd[i][:, :, a:b] = dkd_blk[:, :, i]
+                    dvd[i][:, :, a:b] = dvd_blk[:, :, i]
             dq[:, :, :, a:b] = dq_blk
-        return dq.view(B, Hq, L, D), dk0, dv0, dkd, dvd, None, None, None
+        return (dq.view(B, Hq, L, D), dk0, dv0, None, None, None, *dkd, *dvd)
 
 
 def ttt_attention(
     q: torch.Tensor,
     k0: torch.Tensor,
     v0: torch.Tensor,
-    kd: torch.Tensor | None = None,
-    vd: torch.Tensor | None = None,
+    kd: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    vd: Sequence[torch.Tensor] | torch.Tensor | None = None,
     doc: torch.Tensor | None = None,
     scale: float | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    """Attention of TTT step j = kd.shape[2] (0 when kd is None).
+    """Attention of TTT step j = len(kd) (0 when kd is None).
 
     q: [B, Hq, L, D] step-j queries; k0, v0: [B, Hkv, L, D] step-0 keys/values;
-    kd, vd: [B, Hkv, j, L, D] keys/values of steps 1..j; doc: [B, L] document index of each
-    position in packed rows (None: one document per row). Returns [B, Hq, L, D].
+    kd, vd: the keys/values of steps 1..j, as j tensors [B, Hkv, L, D] or one [B, Hkv, j, L, D];
+    doc: [B, L] document index of each position in packed rows (None: one document per row).
+    Returns [B, Hq, L, D].
     """
     B, Hq, L, D = q.shape
     if k0.shape != v0.shape or k0.shape[0] != B or k0.shape[2:] != (L, D):
@@ -174,15 +199,14 @@ def ttt_attention(
     Hkv = k0.shape[1]
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    if kd is None:
-        kd = k0.new_empty(B, Hkv, 0, L, D)
-        vd = v0.new_empty(B, Hkv, 0, L, D)
-    if kd.shape != vd.shape or kd.shape[:2] != (B, Hkv) or kd.shape[3:] != (L, D):
-        raise ValueError(f"kd/vd must be [B, Hkv, j, L, D], got {tuple(kd.shape)}, {tuple(vd.shape)}")
+    kd = [] if kd is None else list(kd.unbind(2) if isinstance(kd, torch.Tensor) else kd)
+    vd = [] if vd is None else list(vd.unbind(2) if isinstance(vd, torch.Tensor) else vd)
+    if len(kd) != len(vd) or any(x.shape != k0.shape for x in kd + vd):
+        raise ValueError(f"kd/vd must be equally many tensors shaped like k0 {tuple(k0.shape)}")
     if doc is not None and doc.shape != (B, L):
         raise ValueError(f"doc must be [B, L] = [{B}, {L}], got {tuple(doc.shape)}")
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    q, k0, v0, kd, vd = (x.contiguous() for x in (q, k0, v0, kd, vd))
-    return TTTAttention.apply(q, k0, v0, kd, vd, doc, scale, block)
+    q, k0, v0 = q.contiguous(), k0.contiguous(), v0.contiguous()
+    return TTTAttention.apply(q, k0, v0, doc, scale, block, *kd, *vd)

@@ -1,0 +1,440 @@
+"""The EAGLE-3 draft: config, modules and every forward pass, in one file.
+
+    h0   = fc(input_norm(cat(aux_low, aux_mid, aux_high)))            # [T, H], step 0 only
+    x    = cat(input_layernorm(embed(token)), hidden_norm(h))          # [T, 2H]
+    a    = o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x)) # one GQA Llama attention
+    r    = a + residual, where residual = h (or hidden_norm(h) with norm_before_residual)
+    out  = r + mlp(post_attention_layernorm(r))                        # pre-norm layer output
+    logits over the draft vocab = lm_head(norm(out));  next step's h = norm(out) if norm_output else out
+
+Parameter names are vLLM's native EAGLE-3 names (`fc`, `input_norm`, `midlayer.*`, `norm`,
+`lm_head`, `d2t`; `t2d` is ignored by vLLM), so export is a plain state-dict dump. The
+semantics follow vLLM's `llama_eagle3.py` (LlamaModel.forward / combine_hidden_states):
+`input_norm` is the RMSNorm of `norm_before_fc`; `norm_output` makes the *normed* state the
+one passed to the next step; `norm_before_residual` makes the residual `hidden_norm(h)`.
+
+Two ways to run it:
+* `ttt_forward`: training, k unrolled steps over packed rows with blockwise TTT attention.
+* `step` + `KVCache`: one draft forward over new tokens against a KV cache, as vLLM's
+  proposer runs it (the eval stage's chain decoding mimics serving with it).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from torch import nn
+
+VERIFIER_FILE = "verifier.safetensors"
+
+
+# ---------------------------------------------------------------- config
+class DraftConfig(BaseModel):
+    """Shape and switches of one EAGLE-3 draft head. Build it with `DraftConfig.from_target`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hidden_size: int = Field(ge=1, description="draft hidden size H (the target's)")
+    target_hidden_size: int = Field(ge=1, description="hidden size of the target's aux states (fc input is 3x this)")
+    num_attention_heads: int = Field(ge=1, description="query heads of the draft layer (the target's)")
+    num_key_value_heads: int = Field(ge=1, description="kv heads (GQA) of the draft layer (the target's)")
+    head_dim: int = Field(ge=1, description="attention head dim (the target's)")
+    intermediate_size: int = Field(ge=1, description="MLP width (the target's)")
+    rms_norm_eps: float = Field(gt=0, description="RMSNorm epsilon (the target's)")
+    rope_theta: float = Field(gt=0, description="RoPE base, exactly the target's")
+    rope_scaling: dict[str, Any] | None = Field(
+        None, description="the target's RoPE scaling (`rope_type` plus its parameters); None = plain RoPE"
+    )
+    max_position_embeddings: int = Field(ge=1, description="the target's max positions (some RoPE scalings use it)")
+    vocab_size: int = Field(ge=1, description="target vocab size V (embedding rows; vLLM's `vocab_size`)")
+    draft_vocab_size: int = Field(ge=1, description="draft vocab size Vd (lm_head rows)")
+    aux_layer_ids: tuple[int, int, int] = Field(
+        description="vLLM-convention ids of the 3 aux states (id k = residual stream entering layer k)"
+    )
+    norm_before_fc: bool = Field(
+        True, description="RMSNorm (`input_norm`) over the 3H input of fc; speculators' default (its #692)"
+    )
+    norm_output: bool = Field(
+        True, description="pass the normed output (not the pre-norm one) to the next step; speculators' default"
+    )
+    norm_before_residual: bool = Field(
+        True, description="residual of the draft layer is hidden_norm(h) instead of h; speculators' default"
+    )
+
+    @field_validator("rope_scaling")
+    @classmethod
+    def _rope(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and "rope_type" not in v:
+            raise ValueError(f"rope_scaling needs a 'rope_type' (got keys {sorted(v)})")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "DraftConfig":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size ({self.draft_vocab_size}) exceeds the target vocab ({self.vocab_size})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        return self
+
+    @property
+    def rope_parameters(self) -> dict[str, Any]:
+        """transformers-5 form: {'rope_type', 'rope_theta', ...scaling parameters}."""
+        return {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+
+    @classmethod
+    def from_target(
+        cls,
+        target: str | Path | dict[str, Any],
+        draft_vocab_size: int,
+        aux_layer_ids: tuple[int, int, int] | list[int] | None = None,
+        **switches: bool,
+    ) -> "DraftConfig":
+        """Draft config for a target, from its HF dir, its config.json dict, or a PretrainedConfig.
+
+        The draft layer copies the target's layer shape and RoPE (theta + scaling) exactly;
+        `aux_layer_ids` defaults to vLLM's (2, N//2, N-3). `switches` sets norm_before_fc,
+        norm_output and norm_before_residual.
+        """
+        cfg = target_text_config(target)
+        n = cfg["num_hidden_layers"]
+        aux = tuple(aux_layer_ids) if aux_layer_ids is not None else (2, n // 2, n - 3)
+        if len(aux) != 3 or not all(0 <= i <= n for i in aux):
+            raise ValueError(f"aux_layer_ids must be 3 ids in [0, {n}], got {aux}")
+        H = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        theta, scaling = _rope_of(cfg)
+        return cls(
+            hidden_size=H,
+            target_hidden_size=H,
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or H // heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=aux,
+            **switches,
+        )
+
+
+def target_text_config(target: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """The text-model part of a target's config as a dict (a VLM's `text_config`, else the whole)."""
+    if isinstance(target, (str, Path)):
+        import json
+
+        path = Path(target) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{target}: no config.json (expected an HF model dir)")
+        cfg = json.loads(path.read_text())
+    elif isinstance(target, dict):
+        cfg = dict(target)
+    else:  # a transformers PretrainedConfig
+        cfg = target.to_dict()
+    for key in ("text_config", "language_config", "llm_config"):
+        if isinstance(cfg.get(key), dict) and "hidden_size" in cfg[key]:
+            return cfg[key]
+    return cfg
+
+
+def _rope_of(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either transformers-5 `rope_parameters` or legacy rope_theta/rope_scaling."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if params and not ("rope_theta" in params or "rope_type" in params):
+        raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
+    legacy = dict(cfg.get("rope_scaling") or {})
+    if "type" in legacy and "rope_type" not in legacy:
+        legacy["rope_type"] = legacy.pop("type")
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+    scaling = params if params.get("rope_type", "default") != "default" else legacy
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+# ---------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    """Llama RMSNorm, computed in fp32 like HF's and vLLM's."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), -1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; cos, sin: [B, T, D] (HF's neox-style half rotation)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    """Projections of the draft layer's attention; q/k/v read the 2H-wide concatenated input."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.n_q, self.n_kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, self.n_q * self.d, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.d, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.n_q * self.d, c.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """The one draft layer (`midlayer`), split around attention so TTT can supply its own."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.norm_before_residual = c.norm_before_residual
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def project(self, embeds, hidden, cos, sin):
+        """embeds, hidden: [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (RoPE applied), residual [B, T, H]."""
+        hn = self.hidden_norm(hidden)
+        residual = hn if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), hn], -1)  # [B, T, 2H]
+        a = self.self_attn
+        B, T, _ = x.shape
+        q = a.q_proj(x).view(B, T, a.n_q, a.d).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, a.n_kv, a.d).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, a.n_kv, a.d).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn: [B, Hq, T, D] attention output -> the layer's pre-norm output [B, T, H]."""
+        B, Hq, T, D = attn.shape
+        r = self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, Hq * D)) + residual
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+class KVCache:
+    """The draft's keys/values for positions already run, [B, Hkv, T, D] each, in position order."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return self.k, self.v
+
+    def crop(self, n: int) -> None:
+        """Keep the first n positions: drop the entries of rejected draft tokens."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+
+class Eagle3Draft(nn.Module):
+    """The EAGLE-3 draft head. State-dict keys are vLLM's native EAGLE-3 names."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        c = self.config = config
+        # Frozen: the target's own embedding (from the verifier), shared with the target in vLLM.
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps) if c.norm_before_fc else None
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        # target_id = draft_id + d2t[draft_id]; t2d marks the target ids in the draft vocab
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.rotary_emb = _rotary(c)  # buffers only, non-persistent: not in the state dict
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF Llama's init for the trained Linear layers (normal, std 0.02); norms at 1."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or name.startswith("input_norm"):
+                nn.init.ones_(p)
+            elif name != "embed_tokens.weight":
+                nn.init.normal_(p, std=std)
+
+    @classmethod
+    def from_verifier(cls, config: DraftConfig, verifier_dir: str | Path) -> "Eagle3Draft":
+        """A fresh draft whose embedding, lm_head rows and vocab map come from `eagle3 verifier`'s output."""
+        from safetensors.torch import load_file
+
+        path = Path(verifier_dir) / VERIFIER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no verifier weights (run `eagle3 verifier` first)")
+        t = load_file(path)
+        model = cls(config)
+        expect = {
+            "embed_tokens": (config.vocab_size, config.hidden_size),
+            "lm_head_draft": (config.draft_vocab_size, config.hidden_size),
+            "d2t": (config.draft_vocab_size,),
+            "t2d": (config.vocab_size,),
+        }
+        for name, shape in expect.items():
+            if name not in t:
+                raise ValueError(f"{path}: missing tensor {name!r}")
+            if tuple(t[name].shape) != shape:
+                raise ValueError(f"{path}: {name} has shape {tuple(t[name].shape)}, the draft config needs {shape}")
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(t["embed_tokens"])
+            model.lm_head.weight.copy_(t["lm_head_draft"])
+            model.d2t.copy_(t["d2t"])
+            model.t2d.copy_(t["t2d"])
+        return model
+
+    # ------------------------------------------------------------ pieces
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target aux states [..., 3, Ht] (or [..., 3*Ht]) -> step-0 hidden [..., H] (vLLM's combine_hidden_states)."""
+        if aux.shape[-1] != 3 * self.config.target_hidden_size:
+            aux = aux.flatten(-2)  # [..., 3, Ht] -> [..., 3Ht], low | mid | high
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        return self.fc(aux)
+
+    def rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [B, T, D] for position_ids [B, T], with the target's theta and scaling."""
+        return self.rotary_emb(x, position_ids)
+
+    def head(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm layer output [.., H] -> (normed state for the logits, state for the next step)."""
+        normed = self.norm(out)
+        return normed, (normed if self.config.norm_output else out)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Normed state [.., H] -> draft-vocab logits [.., Vd]."""
+        return self.lm_head(normed)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target ids (target = draft + d2t[draft])."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # ------------------------------------------------------------ serving-style step
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over n new tokens, as vLLM's proposer runs it.
+
+        input_ids: [B, n]; hidden: [B, n, H] -- `combine(aux)` for tokens the target has
+        verified, else the previous step's next-state; position_ids: [B, n]. Queries attend
+        causally to the cache plus themselves; their k/v are appended to `cache`.
+        Returns (normed [B, n, H] -> `logits`, next-state [B, n, H]).
+        """
+        e = self.embed_tokens(input_ids)
+        cos, sin = self.rope(e, position_ids)
+        q, k, v, residual = self.midlayer.project(e, hidden, cos, sin)
+        past = len(cache)
+        k, v = cache.append(k, v)
+        n = q.shape[2]
+        # query i sits at cache index past + i and sees indices <= past + i
+        mask = torch.arange(past + n, device=q.device)[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.head(self.midlayer.finish(attn, residual))
+
+    # ------------------------------------------------------------ training
+    def ttt_forward(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        position_ids: torch.Tensor,
+        steps: int,
+        doc: torch.Tensor | None = None,
+        block: int | None = None,
+    ) -> list[torch.Tensor]:
+        """Training-time test: `steps` unrolled draft steps over packed rows. Returns per-step logits.
+
+        input_ids: [B, L]; aux: [B, L, 3, Ht]; position_ids: [B, L], restarting at 0 per
+        document (`doc` [B, L] defaults to the documents they imply).
+        Step j at position t reads token input_ids[t + j + 1] and predicts token t + j + 2, i.e.
+        the target's distribution at position t + j + 1 (`eagle3.train.loss` aligns it). Its
+        RoPE position is position_ids[t] + j: where the token sits when served. Step 0's hidden is
+        combine(aux); step j's is step j-1's next-state at the same position. Ids past the row
+        end are 0; the loss masks those positions. Returns `steps` tensors [B, L, Vd].
+        """
+        from eagle3.train.attention import DEFAULT_BLOCK, doc_ids_from_position_ids, ttt_attention
+
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        B, L = input_ids.shape
+        if aux.shape[:2] != (B, L) or position_ids.shape != (B, L):
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)}, aux {tuple(aux.shape)} and position_ids "
+                f"{tuple(position_ids.shape)} must agree on [B, L]"
+            )
+        doc = doc_ids_from_position_ids(position_ids) if doc is None else doc
+        h = self.combine(aux)  # [B, L, H]
+        k0 = v0 = None
+        kd: list[torch.Tensor] = []
+        vd: list[torch.Tensor] = []
+        out_logits = []
+        for j in range(steps):
+            ids = F.pad(input_ids[:, j + 1 :], (0, j + 1), value=0)  # [B, L]: token t + j + 1
+            e = self.embed_tokens(ids)
+            cos, sin = self.rope(e, position_ids + j)
+            q, k, v, residual = self.midlayer.project(e, h, cos, sin)
+            if j == 0:
+                k0, v0 = k, v
+            else:
+                kd.append(k)
+                vd.append(v)
+            attn = ttt_attention(q, k0, v0, kd, vd, doc, block=block or DEFAULT_BLOCK)
+            normed, h = self.head(self.midlayer.finish(attn, residual))
+            out_logits.append(self.logits(normed))
+        return out_logits
+
+
+def _rotary(c: DraftConfig) -> nn.Module:
+    """HF's own Llama rotary module, so every rope_type (llama3, yarn, dynamic, ...) is the target's exactly."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    lc = LlamaConfig(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters=c.rope_parameters,
+    )
+    return LlamaRotaryEmbedding(lc)

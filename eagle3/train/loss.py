@@ -1,0 +1,150 @@
+"""The EAGLE-3 loss: forward KL to the target's distribution over the draft vocab, per TTT step.
+
+Targets (REFERENCE §1): p = softmax(lm_head_d(norm(final))) where `final` is the target's last
+layer output *before* its final norm, `norm` is the target's final RMSNorm and lm_head_d holds
+the target lm_head rows of the draft vocab (so p is renormalized over the draft vocab).
+
+Alignment (see `Eagle3Draft.ttt_forward`): step j at position t predicts token t + j + 2, whose
+target distribution is the one at position t + j + 1. The position counts iff token t + j + 2
+exists, lies in the same document as t, and is trainable (loss_mask == 1).
+
+Out-of-draft-vocab rule. Where the target's argmax (over the *full* vocab) is not in the draft
+vocab, the draft cannot propose the token the target would pick, so the step is rejected at
+serving time whatever the draft does (greedy verification). Such positions are
+  * left out of the KL (training toward a renormalized tail the verifier will reject is noise;
+    SpecForge masks them the same way), and
+  * counted as misses in the top-1 agreement, so simulated acceptance stays honest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_STEP_DECAY = 0.8
+
+
+def step_weights(steps: int, decay: float = DEFAULT_STEP_DECAY) -> list[float]:
+    """EAGLE/SpecForge's weights decay**j for j = 0..steps-1 (speculators uses decay = 1)."""
+    if steps < 1 or decay <= 0:
+        raise ValueError(f"need steps >= 1 and decay > 0, got steps={steps}, decay={decay}")
+    return [decay**j for j in range(steps)]
+
+
+class TargetHead(torch.nn.Module):
+    """The verifier's final norm + lm_head, turning stored final states into loss targets."""
+
+    def __init__(
+        self,
+        norm_weight: torch.Tensor,
+        eps: float,
+        lm_head: torch.Tensor,
+        d2t: torch.Tensor,
+        chunk: int = 1024,
+    ):
+        super().__init__()
+        V, H = lm_head.shape
+        Vd = d2t.shape[0]
+        draft_to_target = torch.arange(Vd) + d2t.long()  # [Vd] target id of each draft id
+        if draft_to_target.min() < 0 or draft_to_target.max() >= V or draft_to_target.unique().numel() != Vd:
+            raise ValueError("d2t does not map the draft vocab onto distinct target ids in [0, V)")
+        self.eps, self.chunk = eps, chunk
+        self.register_buffer("norm_weight", norm_weight.float())
+        self.register_buffer("lm_head", lm_head.float())  # [V, H], for the full-vocab argmax
+        self.register_buffer("lm_head_draft", self.lm_head[draft_to_target].clone())  # [Vd, H]
+        t2d_index = torch.full((V,), -1, dtype=torch.long)
+        t2d_index[draft_to_target] = torch.arange(Vd)
+        self.register_buffer("t2d_index", t2d_index)  # [V] draft id, or -1 outside the draft vocab
+
+    @classmethod
+    def from_verifier(cls, verifier_dir: str | Path, eps: float | None = None, chunk: int = 1024) -> "TargetHead":
+        """Load from `eagle3 verifier`'s output (eps from its manifest unless given)."""
+        from safetensors.torch import load_file
+
+        from eagle3.artifacts import VerifierWeights
+
+        man = VerifierWeights.read(verifier_dir)
+        t = load_file(Path(verifier_dir) / man.file)
+        return cls(t["norm"], man.rms_norm_eps if eps is None else eps, t["lm_head"], t["d2t"], chunk)
+
+    @torch.no_grad()
+    def forward(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """final: [..., H] pre-norm last-layer states -> (logits over the draft vocab [..., Vd] fp32,
+        draft id of the target's full-vocab argmax [...], -1 where it is outside the draft vocab)."""
+        x = final.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight  # RMSNorm
+        logits = x @ self.lm_head_draft.T
+        flat = x.reshape(-1, x.shape[-1])
+        # full-vocab argmax in chunks of rows: never more than chunk x V logits alive
+        top = torch.cat([(c @ self.lm_head.T).argmax(-1) for c in flat.split(self.chunk)]) if flat.numel() else flat.new_zeros(0, dtype=torch.long)
+        return logits, self.t2d_index[top].view(x.shape[:-1])
+
+
+@dataclass
+class TTTLossOutput:
+    """The weighted loss plus per-step sums, so a trainer can aggregate across batches and ranks."""
+
+    loss: torch.Tensor
+    kl_sum: list[float] = field(default_factory=list)  # per step: summed KL over counted positions
+    kl_count: list[int] = field(default_factory=list)  # per step: positions in the KL (in draft vocab)
+    correct: list[int] = field(default_factory=list)  # per step: draft argmax == target argmax
+    count: list[int] = field(default_factory=list)  # per step: loss-masked positions (top-1 denominator)
+
+    @property
+    def accuracy(self) -> list[float]:
+        """Per-step top-1 agreement with the target: the inputs of simulated acceptance."""
+        return [c / n if n else float("nan") for c, n in zip(self.correct, self.count)]
+
+
+def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
+    """x[:, t + s] at t, `fill` past the end. x: [B, L, ...]."""
+    pad = x.new_full((x.shape[0], s, *x.shape[2:]), fill)
+    return torch.cat([x[:, s:], pad], 1)
+
+
+def ttt_loss(
+    draft_logits: Sequence[torch.Tensor],
+    target_logits: torch.Tensor,
+    target_top: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc: torch.Tensor | None = None,
+    weights: Sequence[float] | None = None,
+) -> TTTLossOutput:
+    """Weighted sum over steps j of the mean forward KL(p_target || q_draft_j).
+
+    draft_logits: k tensors [B, L, Vd] (`Eagle3Draft.ttt_forward`); target_logits: [B, L, Vd]
+    and target_top: [B, L] from `TargetHead` on the stored final states; loss_mask: [B, L]
+    (1 = trainable token); doc: [B, L] document ids of packed rows (None = one per row);
+    weights: per step, default 0.8**j.
+    """
+    k = len(draft_logits)
+    weights = step_weights(k) if weights is None else list(weights)
+    if len(weights) != k:
+        raise ValueError(f"{len(weights)} step weights for {k} steps")
+    B, L, Vd = target_logits.shape
+    if loss_mask.shape != (B, L) or target_top.shape != (B, L):
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} / target_top {tuple(target_top.shape)} must be [B, L] = [{B}, {L}]")
+    doc = torch.zeros(B, L, dtype=torch.long, device=loss_mask.device) if doc is None else doc
+    logp_all = target_logits.float().log_softmax(-1)  # [B, L, Vd]
+    out = TTTLossOutput(loss=target_logits.new_zeros((), dtype=torch.float32))
+    for j, (q_logits, w) in enumerate(zip(draft_logits, weights)):
+        # step j at t: target distribution at t + j + 1, predicted token t + j + 2
+        valid = _shift(loss_mask.bool(), j + 2, False) & (_shift(doc, j + 2, -1) == doc)  # [B, L]
+        top = _shift(target_top, j + 1, -1)  # [B, L] draft id of the target argmax, -1 = outside
+        in_kl = valid & (top >= 0)
+        b_idx, t_idx = in_kl.nonzero(as_tuple=True)  # gather rows: no shifted [B, L, Vd] copy
+        logp = logp_all[b_idx, t_idx + j + 1]  # [N, Vd]
+        logq = q_logits[b_idx, t_idx].float().log_softmax(-1)
+        kl = (logp.exp() * (logp - logq)).sum(-1)  # [N] forward KL(p || q)
+        n_kl = int(in_kl.sum())
+        out.loss = out.loss + w * kl.sum() / max(n_kl, 1)
+        with torch.no_grad():
+            hit = (q_logits.argmax(-1) == top) & valid & (top >= 0)
+        out.kl_sum.append(float(kl.detach().sum()))
+        out.kl_count.append(n_kl)
+        out.correct.append(int(hit.sum()))
+        out.count.append(int(valid.sum()))
+    return out

@@ -1,0 +1,104 @@
+"""The TTT loss: hand-computed KL values, the step alignment, the out-of-vocab rule, TargetHead."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eagle3.train.loss import TargetHead, step_weights, ttt_loss
+
+LN2 = math.log(2)
+
+
+def _case():
+    """B=1, L=6, Vd=3. Target distribution per position s (the one that predicts token s+1)."""
+    p = torch.tensor(
+        [
+            [1 / 3, 1 / 3, 1 / 3],  # s=0
+            [0.50, 0.25, 0.25],  # s=1
+            [1 / 3, 1 / 3, 1 / 3],  # s=2: its full-vocab argmax lies outside the draft vocab
+            [0.25, 0.50, 0.25],  # s=3
+            [0.25, 0.25, 0.50],  # s=4
+            [1 / 3, 1 / 3, 1 / 3],  # s=5
+        ]
+    )
+    target_logits = p.log()[None]  # [1, 6, 3]
+    target_top = torch.tensor([[0, 0, -1, 1, 2, 0]])
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    q0 = torch.tensor([0.50, 0.25, 0.25]).log().expand(1, 6, 3).clone().requires_grad_()
+    q1 = torch.tensor([0.25, 0.50, 0.25]).log().expand(1, 6, 3).clone().requires_grad_()
+    return target_logits, target_top, loss_mask, q0, q1
+
+
+def test_hand_computed_two_steps():
+    target_logits, target_top, loss_mask, q0, q1 = _case()
+    out = ttt_loss([q0, q1], target_logits, target_top, loss_mask)
+    # step 0 at t uses target s = t+1 and needs token t+2 trainable: t in {0,1,2,3} -> s in {1,2,3,4};
+    # s=2 is out of vocab, so the KL covers s in {1,3,4}:
+    #   KL(p1||q0) = 0, KL(p3||q0) = .25 ln.25/.25... = 0.5 ln2 - 0.25 ln2 = 0.25 ln2, KL(p4||q0) = 0.25 ln2
+    # step 1 at t uses s = t+2, t in {0,1,2} -> s in {2,3,4}; KL covers {3,4}: 0 and 0.25 ln2
+    expected = (0 + 0.25 * LN2 + 0.25 * LN2) / 3 + 0.8 * (0 + 0.25 * LN2) / 2
+    assert out.loss.item() == pytest.approx(expected, abs=1e-6)
+    assert out.kl_count == [3, 2]
+    assert out.kl_sum == pytest.approx([0.5 * LN2, 0.25 * LN2], abs=1e-6)
+    # top-1: draft argmax is 0 at step 0 (hit only at s=1), 1 at step 1 (hit only at s=3);
+    # the out-of-vocab s=2 counts as a miss in both
+    assert out.correct == [1, 1] and out.count == [4, 3]
+    assert out.accuracy == pytest.approx([0.25, 1 / 3])
+    out.loss.backward()
+    # d/dlogits of mean KL = (q - p) / n at counted positions, zero elsewhere
+    g = torch.zeros(6, 3)
+    for t, s in [(0, 1), (2, 3), (3, 4)]:
+        g[t] = (q0[0, t].softmax(-1) - target_logits[0, s].exp()) / 3
+    torch.testing.assert_close(q0.grad[0], g, atol=1e-6, rtol=0)
+
+
+def test_weights_are_configurable():
+    target_logits, target_top, loss_mask, q0, q1 = _case()
+    out = ttt_loss([q0, q1], target_logits, target_top, loss_mask, weights=[0.0, 1.0])
+    assert out.loss.item() == pytest.approx(0.125 * LN2, abs=1e-6)
+    assert step_weights(3) == pytest.approx([1.0, 0.8, 0.64])
+    with pytest.raises(ValueError, match="2 step weights for 1 steps"):
+        ttt_loss([q0], target_logits, target_top, loss_mask, weights=[1.0, 1.0])
+
+
+def test_document_boundaries():
+    target_logits, target_top, loss_mask, q0, q1 = _case()
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    out = ttt_loss([q0, q1], target_logits, target_top, loss_mask, doc=doc)
+    # step 0 keeps t=0 (s=1) and t=3 (s=4); t=1,2 would predict a token of the next document.
+    # step 1 keeps nothing: every t + 3 lies in another document or past the end.
+    assert out.count == [2, 0] and out.kl_count == [2, 0]
+    assert out.loss.item() == pytest.approx((0 + 0.25 * LN2) / 2, abs=1e-6)
+    assert out.correct[0] == 1 and math.isnan(out.accuracy[1])
+
+
+def test_zero_when_draft_equals_target():
+    target_logits, target_top, loss_mask, _, _ = _case()
+    top = torch.tensor([[0, 0, 0, 1, 2, 0]])  # everything in vocab, argmax = the logits' argmax
+    drafts = [torch.cat([target_logits[:, j + 1 :], target_logits[:, : j + 1]], 1) for j in range(2)]
+    out = ttt_loss(drafts, target_logits, top, torch.ones(1, 6, dtype=torch.long))
+    assert out.loss.item() == pytest.approx(0.0, abs=1e-7)
+    # s=0/2/5 are uniform: argmax 0 matches top 0
+    assert out.correct == out.count == [4, 3]
+
+
+def test_target_head_matches_manual_norm_and_lm_head():
+    g = torch.Generator().manual_seed(0)
+    V, H = 10, 4
+    lm_head = torch.randn(V, H, generator=g)
+    norm_w = torch.rand(H, generator=g) + 0.5
+    target_ids = torch.tensor([1, 3, 6, 8])
+    d2t = target_ids - torch.arange(4)
+    final = torch.randn(2, 5, H, generator=g) * 3
+    head = TargetHead(norm_w, 1e-5, lm_head, d2t, chunk=3)
+    logits, top = head(final)
+    normed = final / torch.sqrt(final.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w
+    torch.testing.assert_close(logits, normed @ lm_head[target_ids].T)
+    full_top = (normed @ lm_head.T).argmax(-1)
+    expect = torch.tensor([{1: 0, 3: 1, 6: 2, 8: 3}.get(int(i), -1) for i in full_top.flatten()]).view(2, 5)
+    assert torch.equal(top, expect)
+    assert (expect == -1).any() and (expect >= 0).any()  # the case exercises both branches
+    with pytest.raises(ValueError, match="distinct target ids"):
+        TargetHead(norm_w, 1e-5, lm_head, torch.tensor([1, 0, 0, 0]))
