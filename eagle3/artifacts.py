@@ -210,3 +210,19 @@ class VerifierWeights(StageManifest):
     def _content(self) -> dict[str, Any]:
         # Keyed on content (source checksums, tensors), not on where the model dir happens to be.
         return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "model_dir", "config"})
+
+
+class TrainedDraft(StageManifest):
+    """Output of `eagle3 train`: `final/` (servable by vLLM as is), checkpoints, metrics and curves."""
+
+    stage: ClassVar[str] = "train"
+    format_version: ClassVar[int] = 1
+
+    final_dir: str = "final"
+    export_format: str = "vllm"
+    steps: int = 0
+    best_step: int = -1
+    best_sim_tau: float = 0.0
+    val: dict[str, Any] = Field(default_factory=dict, description="the last validation record")
+    draft_config: dict[str, Any] = Field(default_factory=dict)
+    weights_sha256: str = ""

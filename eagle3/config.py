@@ -71,6 +71,36 @@ class ExtractConfig(_Cfg):
         return v
 
 
+class TrainConfig(_Cfg):
+    """Stage 4: train the 1-layer EAGLE-3 draft with training-time test (TTT)."""
+
+    ttt_steps: int = Field(7, ge=1, le=16, description="k: draft steps unrolled in training (EAGLE/SpecForge: 7)")
+    step_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of step j is step_decay**j")
+    epochs: int = Field(1, ge=1, description="passes over the train split")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (overrides epochs)")
+    pack_tokens: int = Field(2048, ge=16, description="tokens per packed row (samples are concatenated, never padded)")
+    grad_accum: int = Field(1, ge=1, description="packed rows per rank per optimizer step")
+    lr: float = Field(3e-4, gt=0.0, description="peak AdamW learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine decays to lr * min_lr_ratio")
+    warmup_steps: int = Field(20, ge=0, description="linear warmup steps")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    grad_clip: float = Field(0.5, gt=0.0, description="max global gradient norm")
+    seed: int = Field(0, description="seed of the init and of the per-epoch shuffle")
+    val_every: int = Field(200, ge=1, description="validate every N optimizer steps (and at each epoch end)")
+    val_max_packs: int | None = Field(None, ge=1, description="cap validation at N packed rows")
+    ckpt_every: int = Field(200, ge=1, description="checkpoint every N optimizer steps (and at the end)")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept (plus the best by simulated tau)")
+    log_every: int = Field(10, ge=1, description="log train metrics every N steps")
+    norm_before_fc: bool = Field(True, description="RMSNorm over the 3H input of fc (speculators #692)")
+    norm_output: bool = Field(True, description="pass the normed hidden state to the next draft step")
+    norm_before_residual: bool = Field(False, description="vLLM's norm_before_residual switch")
+    attn_block: int = Field(256, ge=16, description="query block of the TTT attention kernel")
+    fsdp: bool = Field(False, description="FSDP2 instead of DDP (CUDA only)")
+    export_format: Literal["vllm", "speculators"] = Field("vllm", description="layout of final/")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads per process (default: torch's)")
+
+
 class PipelineConfig(_Cfg):
     """The whole run: where the target is, where outputs go, and each stage's settings."""
 

@@ -36,7 +36,7 @@ def test_hand_computed_two_steps():
     out = ttt_loss([q0, q1], target_logits, target_top, loss_mask)
     # step 0 at t uses target s = t+1 and needs token t+2 trainable: t in {0,1,2,3} -> s in {1,2,3,4};
     # s=2 is out of vocab, so the KL covers s in {1,3,4}:
-    #   KL(p1||q0) = 0, KL(p3||q0) = .25 ln.25/.25... = 0.5 ln2 - 0.25 ln2 = 0.25 ln2, KL(p4||q0) = 0.25 ln2
+    #   KL(p1||q0) = 0; KL(p3||q0) = .25 ln(.25/.5) + .5 ln(.5/.25) + 0 = 0.25 ln2; KL(p4||q0) = 0.25 ln2
     # step 1 at t uses s = t+2, t in {0,1,2} -> s in {2,3,4}; KL covers {3,4}: 0 and 0.25 ln2
     expected = (0 + 0.25 * LN2 + 0.25 * LN2) / 3 + 0.8 * (0 + 0.25 * LN2) / 2
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)

@@ -12,6 +12,7 @@ as stored, so a dataset that grew by 5% costs about 5% of a full extraction.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -75,13 +76,25 @@ def resolve_layer_ids(n: int, aux: Sequence[int] | None) -> list[int]:
     return aux + [n]
 
 
+_FP_MEMO: dict[tuple, str] = {}
+
+
 def model_fingerprint(model_dir: str | Path) -> str:
-    """Content hash of the target: config.json and every weight file (sha256 of their bytes)."""
+    """Content hash of the target: config.json and every weight file (sha256 of their bytes).
+
+    Memoized per process on (path, size, mtime) of each file: hashing a large model's weights
+    takes a while, and a retry or a second stage in the same process should not pay it again.
+    """
     d = Path(model_dir)
+    if not d.is_dir():
+        raise ValueError(f"{model_dir}: not a model directory")
     files = sorted(p for p in d.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
     if not any(p.suffix in (".safetensors", ".bin") for p in files):
         raise ValueError(f"{model_dir}: no weight files (*.safetensors / *.bin)")
-    return sha256_bytes("".join(f"{p.name}:{sha256_file(p)}\n" for p in files).encode())
+    key = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if key not in _FP_MEMO:
+        _FP_MEMO[key] = sha256_bytes("".join(f"{p.name}:{sha256_file(p)}\n" for p in files).encode())
+    return _FP_MEMO[key]
 
 
 # ---------------------------------------------------------------- prepared samples
@@ -270,12 +283,14 @@ def run_extract(
                     ids, _ = samples.tensors(row)
                     batch.append((samples.sample_id[row], ids))
                 rows_by_id = {samples.sample_id[r]: r for r in todo}
-                for sid, tok, h in backend.extract(batch, on_tokens=on_tokens):
-                    if sid not in rows_by_id:
-                        raise ValueError(f"shard {p.file}: backend returned unknown sample {sid}")
-                    ids, mask = samples.tensors(rows_by_id[sid])
-                    w.add(sid, ids, mask, tok, h)
-                    n_computed += 1
+                # closing(): on a bad sample the backend's generator cleans up at once (vLLM files)
+                with contextlib.closing(backend.extract(batch, on_tokens=on_tokens)) as results:
+                    for sid, tok, h in results:
+                        if sid not in rows_by_id:
+                            raise ValueError(f"shard {p.file}: backend returned unknown sample {sid}")
+                        ids, mask = samples.tensors(rows_by_id[sid])
+                        w.add(sid, ids, mask, tok, h)
+                        n_computed += 1
             shard_sha[p.file] = w.write(out)
     finally:
         if bar is not None:

@@ -1,0 +1,105 @@
+"""All torch.distributed code of eagle3 lives here (DESIGN: the model file holds none).
+
+Runs under `torchrun` (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR in the environment) or as
+one plain process. gloo on CPU, nccl on CUDA. Parallelism is applied to a built model by
+`wrap`: DDP everywhere, or FSDP2 (`fully_shard`) on CUDA.
+
+Multi-node: pass torchrun's own flags through, e.g.
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \
+             --rdzv-endpoint HOST:29500 -m eagle3.train ...
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init(timeout_s: int = 1800) -> Dist:
+    """Join the process group torchrun set up (or none, for one process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return Dist(rank, world, local, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def wrap(model: nn.Module, d: Dist, fsdp: bool = False) -> nn.Module:
+    """DDP (or FSDP2 on CUDA) around a built model; the model itself is returned for one process."""
+    if fsdp:
+        if d.device.type != "cuda":
+            raise ValueError("--fsdp needs CUDA; on CPU use DDP (the default)")
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.midlayer)
+        fully_shard(model)
+        return model
+    if d.world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain (unsharded, CPU) state dict; FSDP2 DTensors are gathered. Call on every rank."""
+    out = {}
+    for k, v in unwrap(model).state_dict().items():
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        out[k] = v.detach().to("cpu").clone()
+    return out
+
+
+def all_sum(values: list[float], d: Dist) -> list[float]:
+    """Sum a list of floats over ranks (fp64, so counts stay exact)."""
+    if d.world == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=d.device if d.device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def broadcast_object(obj: Any, d: Dist) -> Any:
+    if d.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,292 @@
+"""The training loop: read it top to bottom.
+
+One optimizer step = `grad_accum` packed rows on each of `world` ranks. Each row runs k unrolled
+TTT steps of the draft (`Eagle3Draft.ttt_forward`) against targets computed on the fly from
+the stored final hidden states through the verifier's norm + lm_head (`TargetHead`). The loss
+of a row is the step-weighted mean forward KL (`ttt_loss`); the step loss is the mean over the
+step's rows, so 1 process x 2 rows and 2 processes x 1 row give the same gradients.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagle3.artifacts import HiddenStates, TrainedDraft, VerifierWeights
+from eagle3.config import TrainConfig
+from eagle3.extract import open_store
+from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.train import checkpoint as ckpt
+from eagle3.train import distributed as dist
+from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
+from eagle3.train.export import export
+from eagle3.train.loss import TargetHead, step_weights, ttt_loss
+from eagle3.train.metrics import Meter, chain_acceptance, plot_curves
+
+log = logging.getLogger("eagle3.train")
+METRICS = "metrics.jsonl"
+FINAL = "final"
+
+
+class TTT(nn.Module):
+    """Makes `ttt_forward` the module's forward, so DDP/FSDP hooks see the training pass."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int, block: int):
+        super().__init__()
+        self.draft, self.steps, self.block = draft, steps, block
+
+    def forward(self, input_ids, aux, position_ids, doc):
+        return self.draft.ttt_forward(input_ids, aux, position_ids, self.steps, doc=doc, block=self.block)
+
+
+@dataclass
+class Pos:
+    """Where the run is: optimizer steps done overall, and the epoch / step within it."""
+
+    step: int = 0
+    epoch: int = 0
+    epoch_step: int = 0
+
+
+def build_draft(cfg: TrainConfig, hidden: HiddenStates, verifier_dir: Path) -> Eagle3Draft:
+    ver = VerifierWeights.read(verifier_dir)
+    if ver.hidden_size != hidden.hidden_size:
+        raise ValueError(f"verifier hidden size {ver.hidden_size} != stored hidden states' {hidden.hidden_size}: "
+                         "the verifier and the extract stage come from different targets")
+    dcfg = DraftConfig.from_target(
+        hidden.model_dir, draft_vocab_size=ver.draft_vocab_size, aux_layer_ids=hidden.aux_layer_ids,
+        norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output, norm_before_residual=cfg.norm_before_residual,
+    )
+    torch.manual_seed(cfg.seed)  # same init on every rank and every rerun
+    return Eagle3Draft.from_verifier(dcfg, verifier_dir)
+
+
+def lr_lambda(cfg: TrainConfig, total: int):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        t = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+    return f
+
+
+def row_pass(model: nn.Module, head: TargetHead, batch: dict[str, torch.Tensor], weights: list[float], amp):
+    """One packed row: k TTT steps and their loss. Returns (TTTLossOutput, draft logits, target top)."""
+    target_logits, target_top = head(batch["final"])  # [1, L, Vd] fp32, [1, L] (no grad)
+    with amp:
+        logits = model(batch["input_ids"], batch["aux"], batch["position_ids"], batch["doc"])
+    out = ttt_loss(logits, target_logits, target_top, batch["loss_mask"], batch["doc"], weights)
+    return out, logits, target_top
+
+
+@torch.no_grad()
+def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, weights, amp) -> dict[str, Any]:
+    """Loss, per-step top-1 and simulated tau over the validation split (all ranks, summed)."""
+    if store is None or len(store) == 0:
+        return {}
+    lengths = store.lengths
+    packs = epoch_packs(lengths, cfg.seed, -1, cfg.pack_tokens)[: cfg.val_max_packs]
+    m = Meter(cfg.ttt_steps)
+    model.eval()
+    for i in range(d.rank, len(packs), d.world):
+        batch = collate(store, packs[i], cfg.pack_tokens, d.device)
+        out, logits, top = row_pass(model, head, batch, weights, amp)
+        chain = chain_acceptance(logits, top, batch["loss_mask"], batch["doc"])
+        m.add(out, chain, rows=1, tokens=batch["input_ids"].numel())
+    model.train()
+    return m.reduce(d)
+
+
+def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, out: str | Path,
+          verifier_name: str = "", progress: bool = True) -> TrainedDraft | None:
+    """Train (or resume) a draft; rank 0 returns the manifest of `out`, other ranks None."""
+    hidden_dir, verifier_dir, out = Path(hidden_dir), Path(verifier_dir), Path(out)
+    d = dist.init()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.fsdp and d.device.type != "cuda":
+        raise ValueError("--fsdp needs CUDA; on CPU the trainer uses DDP")
+    hidden = HiddenStates.read(hidden_dir)
+    ver = VerifierWeights.read(verifier_dir)
+    inputs = {"hidden_states": hidden.fingerprint, "verifier": ver.fingerprint}
+    config = cfg.model_dump(mode="json")
+    if d.main and TrainedDraft.exists(out):
+        done = TrainedDraft.read(out)
+        if done.inputs == inputs and done.config == config and (out / FINAL / "config.json").is_file():
+            log.info("train: %s already holds this exact result; nothing to do", out)
+            dist.shutdown()
+            return done
+
+    draft = build_draft(cfg, hidden, verifier_dir).to(d.device)
+    head = TargetHead.from_verifier(verifier_dir).to(d.device)
+    train_store = open_store(hidden_dir, "train")
+    val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("samples") else None
+    lengths = train_store.lengths
+    n_packs = len(epoch_packs(lengths, cfg.seed, 0, cfg.pack_tokens))
+    spe = steps_per_epoch(n_packs, d.world, cfg.grad_accum)
+    total = cfg.max_steps or cfg.epochs * spe
+    weights = step_weights(cfg.ttt_steps, cfg.step_decay)
+
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+    pos, best = Pos(), {"tau": -1.0, "step": -1}
+
+    # ---- resume: model, optimizer, scheduler, data position, RNG
+    last = ckpt.latest(out)
+    if last is not None:
+        state_dict, state, meta = ckpt.load(last)
+        if meta.get("config") != config or meta.get("inputs") != inputs:
+            raise ValueError(f"{last}: checkpoint of a different config or different inputs; "
+                             f"use a new --out dir (or delete {out / ckpt.CKPT_DIR})")
+        draft.load_state_dict(state_dict)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"])
+        pos, best = Pos(**state["pos"]), state["best"]
+        if d.main:
+            log.info("train: resumed from %s (step %d, epoch %d, epoch step %d)", last.name, pos.step, pos.epoch,
+                     pos.epoch_step)
+    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block), d, cfg.fsdp)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if d.device.type == "cuda" else nullcontext()
+    metrics_path = out / METRICS
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(metrics_path, pos.step)
+
+    def save(tag: str) -> None:
+        sd = dist.full_state_dict(model if cfg.fsdp else draft)
+        sd = {k.removeprefix("draft."): v for k, v in sd.items()}
+        if d.main:
+            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
+                     "pos": pos.__dict__.copy(), "best": dict(best)}
+            ckpt.save(out, tag, sd, state, {"config": config, "inputs": inputs, "step": pos.step})
+            if tag.startswith("step-"):
+                ckpt.prune(out, cfg.keep_last)
+        dist.barrier()
+
+    last_val = -1
+
+    def run_validation() -> None:
+        nonlocal best, last_val
+        last_val = pos.step
+        v = validate(model, head, val_store, cfg, d, weights, amp)
+        if not v:
+            return
+        if d.main:
+            _log_metrics(metrics_path, {"split": "val", "step": pos.step, "epoch": pos.epoch, **v})
+            log.info("val step %d: loss %.4f acc %s sim tau %.3f", pos.step, v["loss"],
+                     [round(a, 3) for a in v["acc"]], v["sim_tau"])
+        if v["sim_tau"] > best["tau"]:
+            best = {"tau": v["sim_tau"], "step": pos.step}
+            save(ckpt.BEST)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, initial=pos.step, unit="step", desc="train", disable=not (progress and d.main),
+               dynamic_ncols=True, mininterval=2.0)
+    window = Meter(cfg.ttt_steps)
+    t_win = time.perf_counter()
+    model.train()
+    while pos.step < total:
+        packs = epoch_packs(lengths, cfg.seed, pos.epoch, cfg.pack_tokens)
+        while pos.epoch_step < spe and pos.step < total:
+            rows = micro_packs(packs, pos.epoch_step, d.rank, d.world, cfg.grad_accum)
+            for a, idx in enumerate(rows):
+                batch = collate(train_store, idx, cfg.pack_tokens, d.device)
+                sync = a == len(rows) - 1 or not hasattr(model, "no_sync")
+                with (nullcontext() if sync else model.no_sync()):
+                    out_, _, _ = row_pass(model, head, batch, weights, amp)
+                    (out_.loss / cfg.grad_accum).backward()
+                window.add(out_, None, rows=1, tokens=batch["input_ids"].numel())
+            gnorm = torch.nn.utils.clip_grad_norm_(params if not cfg.fsdp else model.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            pos.step += 1
+            pos.epoch_step += 1
+            bar.update(1)
+            if pos.step % cfg.log_every == 0 or pos.step == total:
+                w = window.reduce(d)
+                dt = time.perf_counter() - t_win
+                rec = {"split": "train", "step": pos.step, "epoch": pos.epoch, "lr": sched.get_last_lr()[0],
+                       "grad_norm": float(gnorm), "tokens_per_s": w["tokens"] / max(dt, 1e-9), **w}
+                if d.main:
+                    _log_metrics(metrics_path, rec)
+                    bar.set_postfix_str(f"loss {w['loss']:.3f} acc0 {w['acc'][0]:.3f} {rec['tokens_per_s']:,.0f} tok/s")
+                window, t_win = Meter(cfg.ttt_steps), time.perf_counter()
+            if pos.step % cfg.val_every == 0:
+                run_validation()
+            if pos.step % cfg.ckpt_every == 0 and pos.step < total:
+                save(f"step-{pos.step:08d}")
+        if pos.epoch_step >= spe:  # epoch end
+            if last_val != pos.step:
+                run_validation()
+            pos.epoch, pos.epoch_step = pos.epoch + 1, 0
+    bar.close()
+    if last_val != pos.step:
+        run_validation()  # a run that stopped mid-epoch on max_steps, or a resumed finished run
+    save(f"step-{pos.step:08d}")
+
+    result = None
+    if d.main:
+        src = out / ckpt.CKPT_DIR / ckpt.BEST if (out / ckpt.CKPT_DIR / ckpt.BEST).is_dir() else last_step_dir(out)
+        state_dict, _, meta = ckpt.load(src)
+        export(state_dict, draft.config, cfg.ttt_steps, out / FINAL, cfg.export_format,
+               verifier=verifier_name or hidden.model_dir,
+               extra={"best_step": best["step"], "sim_tau": best["tau"], "train_config": config})
+        plot_curves(metrics_path, out / "curves.png")
+        result = TrainedDraft(
+            config=config, inputs=inputs, final_dir=FINAL, export_format=cfg.export_format,
+            steps=pos.step, best_step=best["step"], best_sim_tau=best["tau"],
+            val=_last_val(metrics_path), draft_config=draft.config.model_dump(mode="json"),
+            weights_sha256=_sha(out / FINAL / "model.safetensors"),
+        )
+        result.write(out)
+        log.info("train: done, %d steps; best sim tau %.3f at step %d; exported %s", pos.step, best["tau"],
+                 best["step"], out / FINAL)
+    dist.shutdown()
+    return result
+
+
+def last_step_dir(out: Path) -> Path:
+    d = ckpt.latest(out)
+    if d is None:
+        raise RuntimeError(f"{out}: no valid checkpoint to export")
+    return d
+
+
+def _sha(p: Path) -> str:
+    from eagle3.atomic import sha256_file
+
+    return sha256_file(p)
+
+
+def _log_metrics(path: Path, rec: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop records logged after the checkpoint: they will be logged again."""
+    if not path.is_file():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    from eagle3.atomic import atomic_write_text
+
+    atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+
+
+def _last_val(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    vals = [json.loads(ln) for ln in path.read_text().splitlines() if '"split": "val"' in ln]
+    return vals[-1] if vals else {}

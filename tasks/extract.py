@@ -1,0 +1,76 @@
+"""Prefect task for stage 2 (extract)."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+
+from eagle3.artifacts import HiddenStates, PreparedData
+from eagle3.config import ExtractConfig
+from eagle3.extract import model_fingerprint, resolve_layer_ids, run_extract
+from eagle3.extract.run import model_shape
+from eagle3.extract.store import FORMAT_VERSION
+from tasks._cache import content_policy
+
+
+def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
+    cfg: ExtractConfig = inputs["cfg"]
+    n, _ = model_shape(inputs["model"])
+    return {
+        "format": [HiddenStates.format_version, FORMAT_VERSION],
+        "prepared": PreparedData.read(inputs["prepared"]).fingerprint,
+        "model": model_fingerprint(inputs["model"]),
+        "layer_ids": resolve_layer_ids(n, cfg.aux_layer_ids),
+        # what else changes the stored bytes; backend / batch / TP settings do not
+        "storage": cfg.storage,
+        "splits": cfg.splits,
+        "shard_bytes": cfg.shard_bytes,
+    }
+
+
+def stats_table(m: HiddenStates) -> list[dict[str, Any]]:
+    s = m.stats
+    return [
+        {"what": "samples", "value": m.num_samples},
+        {"what": "tokens", "value": m.num_tokens},
+        {"what": "tokens computed this run", "value": s.get("tokens_computed")},
+        {"what": "tok/s", "value": s.get("tokens_per_second")},
+        {"what": "bytes/token", "value": s.get("bytes_per_token")},
+        {"what": "bytes/token / (4*H*2)", "value": s.get("bytes_ratio")},
+        {"what": "shards", "value": len(m.shards)},
+        {"what": "shards resumed (already committed)", "value": s.get("shards_skipped")},
+        {"what": "samples reused from earlier runs", "value": s.get("samples_reused")},
+        {"what": "layer ids", "value": str(m.layer_ids)},
+        {"what": "storage", "value": m.storage},
+    ]
+
+
+@task(
+    name="extract",
+    cache_policy=content_policy("extract", _fingerprints),
+    retries=2,
+    retry_delay_seconds=[5, 30],
+)
+def extract_task(
+    model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None
+) -> HiddenStates:
+    """Store the target's aux + final hidden states of the prepared samples (a retry resumes)."""
+    log = get_run_logger()
+    art = create_progress_artifact(0.0, description="eagle3 extract: share of tokens done")
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if total and (now - last[0] > 5 or done == total):
+            last[0] = now
+            update_progress_artifact(art, 100.0 * done / total)
+
+    m = run_extract(model, prepared, out, cfg, reuse=reuse or [], progress=progress, show_progress=False)
+    update_progress_artifact(art, 100.0)
+    log.info("extract: %d samples, %d tokens in %d shards (%s resumed); %s tok/s; %.1f bytes/token",
+             m.num_samples, m.num_tokens, len(m.shards), m.stats.get("shards_skipped"),
+             m.stats.get("tokens_per_second"), m.stats.get("bytes_per_token", 0.0))
+    create_table_artifact(stats_table(m), key="extract-stats", description="eagle3 extract: tokens, tok/s, bytes, shards")
+    return m

@@ -1,0 +1,62 @@
+"""Stage 2 as a Prefect task: a retry resumes committed shards; the cache key is content, not paths."""
+from __future__ import annotations
+
+from extract_helpers import random_samples, write_prepared
+
+from eagle3.artifacts import HiddenStates
+from eagle3.config import ExtractConfig
+from eagle3.extract import run_extract
+
+
+class _FlakyOnce:
+    """Wraps the real backend; the first attempt dies on its 3rd shard (like a lost GPU host)."""
+
+    calls = 0
+    failed = False
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def extract(self, samples, on_tokens=None):
+        _FlakyOnce.calls += 1
+        if _FlakyOnce.calls == 3 and not _FlakyOnce.failed:
+            _FlakyOnce.failed = True
+            raise RuntimeError("simulated crash in the middle of the run")
+        yield from self.inner.extract(samples, on_tokens)
+
+
+def test_retry_resumes_and_cache_keys_on_content(tiny_llama_dir, tmp_path, monkeypatch, prefect_env):
+    from prefect import flow
+
+    import eagle3.extract.run as er
+    from tasks.extract import extract_task
+
+    rows = random_samples(1000, [100] * 6, seed=9)
+    prep = tmp_path / "prep"
+    write_prepared(prep, {"train": rows})
+    cfg = ExtractConfig(aux_layer_ids=[1, 2, 3], shard_bytes=1 << 16)  # one sample per shard
+    ref = run_extract(tiny_llama_dir, prep, tmp_path / "ref", cfg, show_progress=False)
+    assert len(ref.shards) == 6
+
+    real = er.make_backend
+    monkeypatch.setattr(er, "make_backend", lambda *a, **k: _FlakyOnce(real(*a, **k)))
+    monkeypatch.setattr(extract_task, "retry_delay_seconds", [0, 0])
+
+    @flow
+    def f(out: str, cfg: ExtractConfig):
+        return extract_task(str(tiny_llama_dir), str(prep), out, cfg, return_state=True)
+
+    st = f(str(tmp_path / "out"), cfg)
+    assert st.is_completed() and _FlakyOnce.failed
+    m = HiddenStates.read(tmp_path / "out")
+    assert m.stats["shards_skipped"] == 2  # the retry kept what the failed attempt committed
+    assert [s.sha256 for s in m.shards] == [s.sha256 for s in ref.shards]
+
+    # same content, another output path -> cache hit (no body run: the backend is never built)
+    monkeypatch.setattr(er, "make_backend", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
+    st2 = f(str(tmp_path / "out"), cfg)
+    assert st2.name == "Cached" and st2.result().fingerprint == m.fingerprint
+    # other layer ids change the key: the body runs again
+    monkeypatch.setattr(er, "make_backend", real)
+    st3 = f(str(tmp_path / "out2"), cfg.model_copy(update={"aux_layer_ids": [0, 2, 4]}))
+    assert st3.name == "Completed" and st3.result().layer_ids == [0, 2, 4, 6]

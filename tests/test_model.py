@@ -1,0 +1,188 @@
+"""The draft model: config from the target, vLLM names, RoPE exactness, TTT == serving-style steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3.model import DraftConfig, Eagle3Draft, KVCache
+
+VLLM_NAMES = {
+    "fc.weight",
+    "input_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+    "embed_tokens.weight",
+}
+
+
+def tiny(**switches) -> DraftConfig:
+    return DraftConfig(
+        hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,
+        vocab_size=50, draft_vocab_size=20, aux_layer_ids=(1, 2, 3), **switches,
+    )
+
+
+def _model(seed=0, **switches) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    m = Eagle3Draft(tiny(**switches))
+    with torch.no_grad():  # non-trivial norms so every switch changes the numbers
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        m.embed_tokens.weight.normal_()
+    return m
+
+
+def test_config_from_smollm2(smollm2_dir):
+    c = DraftConfig.from_target(smollm2_dir, draft_vocab_size=8000)
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (576, 9, 3, 64)
+    assert (c.intermediate_size, c.vocab_size, c.draft_vocab_size) == (1536, 49152, 8000)
+    assert c.rope_theta == 1e5 and c.rope_scaling is None
+    assert c.aux_layer_ids == (2, 15, 27)  # vLLM's (2, N//2, N-3) for N = 30
+    assert c.rms_norm_eps == pytest.approx(1e-5)
+    assert (c.norm_before_fc, c.norm_output, c.norm_before_residual) == (True, True, True)
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        DraftConfig.from_target(smollm2_dir, 8000, aux_layer_ids=(2, 15, 31))
+    with pytest.raises(ValueError, match="exceeds the target vocab"):
+        DraftConfig.from_target(smollm2_dir, 50000)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                             "original_max_position_embeddings": 4096}},
+        {"rope_theta": 1e5},
+    ],
+    ids=["legacy-llama3", "v5-yarn", "plain"],
+)
+def test_rope_is_exactly_the_targets(rope):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    target = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "num_hidden_layers": 8,
+              "vocab_size": 100, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, **rope}
+    c = DraftConfig.from_target(target, draft_vocab_size=10)
+    pos = torch.tensor([[0, 1, 17, 4095, 9000, 30000]])
+    x = torch.zeros(1, 6, 16)
+    cos, sin = Eagle3Draft(c).rope(x, pos)
+    ref_cos, ref_sin = LlamaRotaryEmbedding(LlamaConfig(**target))(x, pos)
+    torch.testing.assert_close(cos, ref_cos, atol=0, rtol=0)
+    torch.testing.assert_close(sin, ref_sin, atol=0, rtol=0)
+
+
+def test_state_dict_uses_vllm_names():
+    m = _model()
+    sd = m.state_dict()
+    assert set(sd) == VLLM_NAMES
+    assert sd["fc.weight"].shape == (32, 96) and sd["input_norm.weight"].shape == (96,)
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (32, 64)  # 2H in
+    assert sd["midlayer.self_attn.k_proj.weight"].shape == (16, 64)  # GQA: 2 kv heads x 8
+    assert sd["lm_head.weight"].shape == (20, 32) and sd["d2t"].dtype == torch.long
+    assert not m.embed_tokens.weight.requires_grad
+    assert "input_norm.weight" not in Eagle3Draft(tiny(norm_before_fc=False)).state_dict()
+
+
+def test_ttt_forward_shapes_and_grads():
+    m = _model()
+    B, L, k = 2, 11, 3
+    ids = torch.randint(0, 50, (B, L))
+    aux = torch.randn(B, L, 3, 32)
+    pos = torch.arange(L).repeat(B, 1)
+    out = m.ttt_forward(ids, aux, pos, steps=k, block=4)
+    assert [tuple(o.shape) for o in out] == [(B, L, 20)] * k
+    sum(o.square().mean() for o in out).backward()
+    assert m.embed_tokens.weight.grad is None
+    for name, p in m.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def _serving_chain(m: Eagle3Draft, ids, aux, pos, t, k):
+    """Logits of steps 0..k-1 at position t, run as vLLM runs them: one prefill over the verified
+    positions 0..t with combine(aux), then one token per step with the previous next-state."""
+    ids_pad = F.pad(ids, (0, k + 1))
+    cache = KVCache()
+    normed, nxt = m.step(ids_pad[:, 1 : t + 2], m.combine(aux[:, : t + 1]), pos[:, : t + 1], cache)
+    logits, h = [m.logits(normed[:, t])], nxt[:, t : t + 1]
+    for j in range(1, k):
+        normed, h = m.step(ids_pad[:, t + j + 1 : t + j + 2], h, pos[:, t : t + 1] + j, cache)
+        logits.append(m.logits(normed[:, 0]))
+    assert len(cache) == t + k
+    return logits
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [{}, {"norm_before_fc": False, "norm_output": False, "norm_before_residual": False}, {"norm_output": False}],
+    ids=["all-on", "all-off", "prenorm-output"],
+)
+def test_ttt_equals_serving_steps(switches):
+    m = _model(**switches).eval()
+    L, k = 12, 4
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (1, L), generator=g)
+    aux = torch.randn(1, L, 3, 32, generator=g)
+    pos = torch.arange(L)[None]
+    with torch.no_grad():
+        ttt = m.ttt_forward(ids, aux, pos, steps=k, block=5)
+        for t in (0, 5, 11):
+            for j, lg in enumerate(_serving_chain(m, ids, aux, pos, t, k)):
+                torch.testing.assert_close(ttt[j][:, t], lg, atol=1e-5, rtol=0, msg=lambda s: f"t={t} j={j}: {s}")
+
+
+def test_packed_ttt_equals_each_document_alone():
+    m = _model().eval()
+    lens, k = [7, 9], 3
+    L = sum(lens)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 50, (1, L), generator=g)
+    aux = torch.randn(1, L, 3, 32, generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    with torch.no_grad():
+        packed = m.ttt_forward(ids, aux, pos, steps=k, block=4)
+        doc2 = slice(7, 16)
+        alone = m.ttt_forward(ids[:, doc2], aux[:, doc2], pos[:, doc2], steps=k, block=4)
+        # positions whose step-j input token is still inside document 2 must agree exactly
+        for j in range(k):
+            n = 9 - (j + 1)
+            torch.testing.assert_close(packed[j][:, 7 : 7 + n], alone[j][:, :n], atol=1e-5, rtol=0)
+        # and a position of document 2 against serving-style steps on document 2 alone
+        for j, lg in enumerate(_serving_chain(m, ids[:, doc2], aux[:, doc2], pos[:, doc2], 3, k)):
+            torch.testing.assert_close(packed[j][:, 7 + 3], lg, atol=1e-5, rtol=0)
+
+
+def test_switch_semantics():
+    m_on, m_off = _model(), _model(norm_output=False, norm_before_residual=False, norm_before_fc=False)
+    out = torch.randn(3, 32)
+    normed, nxt = m_on.head(out)
+    torch.testing.assert_close(nxt, normed)  # norm_output: the normed state goes on
+    normed, nxt = m_off.head(out)
+    torch.testing.assert_close(nxt, out)  # otherwise the pre-norm output does
+    torch.testing.assert_close(normed, m_off.norm(out))
+    e, h = torch.randn(1, 2, 32), torch.randn(1, 2, 32)
+    cos, sin = m_on.rope(e, torch.arange(2)[None])
+    *_, res_on = m_on.midlayer.project(e, h, cos, sin)
+    *_, res_off = m_off.midlayer.project(e, h, cos, sin)
+    torch.testing.assert_close(res_on, m_on.midlayer.hidden_norm(h))  # norm_before_residual
+    torch.testing.assert_close(res_off, h)
+    aux = torch.randn(2, 3, 32)
+    torch.testing.assert_close(m_on.combine(aux), m_on.fc(m_on.input_norm(aux.flatten(-2))))
+    torch.testing.assert_close(m_off.combine(aux), m_off.fc(aux.flatten(-2)))
