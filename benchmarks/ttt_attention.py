@@ -126,14 +126,16 @@ def child(a) -> None:
     dout = torch.randn(1, a.heads, a.L, a.dim)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base = _status_kb("VmRSS")
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     out = fwd(inp, mask)
     t1 = time.perf_counter()
     out.backward(dout)
     t2 = time.perf_counter()
+    cpu = time.process_time() - cpu0  # user + sys of all threads: shows how shared the cores were
     peak = _status_kb("VmHWM")
     print(json.dumps({"impl": a.impl, "L": a.L, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "total_s": t2 - t0,
-                      "extra_bytes": (peak - base) * 1024, "threads": torch.get_num_threads()}))
+                      "cpu_s": cpu, "extra_bytes": (peak - base) * 1024, "threads": torch.get_num_threads()}))
 
 
 def main() -> None:
@@ -175,7 +177,7 @@ def main() -> None:
             r = json.loads(p.stdout.strip().splitlines()[-1])
             results[L][impl] = r
             print(f"L={L:5d} {impl:5s} fwd {r['fwd_s']:7.2f} s  bwd {r['bwd_s']:7.2f} s  "
-                  f"total {r['total_s']:7.2f} s  extra RSS {r['extra_bytes'] / 2**20:9.1f} MiB", flush=True)
+                  f"total {r['total_s']:7.2f} s  cpu {r['cpu_s']:7.2f} s  extra RSS {r['extra_bytes'] / 2**20:9.1f} MiB", flush=True)
 
     def ratio(L, key, other):
         ours, theirs = results[L].get("ours"), results[L].get(other)

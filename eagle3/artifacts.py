@@ -226,3 +226,46 @@ class TrainedDraft(StageManifest):
     val: dict[str, Any] = Field(default_factory=dict, description="the last validation record")
     draft_config: dict[str, Any] = Field(default_factory=dict)
     weights_sha256: str = ""
+
+
+class EvalReport(StageManifest):
+    """Output of `eagle3 eval`: `report.json` (acceptance, speed, lossless), `acceptance.png`,
+    `samples.jsonl` (the speculative outputs, per turn, with their lossless flag).
+
+    tau = 1 + accepted / drafts, counted as vLLM counts (one draft per verify pass). The
+    fingerprint covers what the run is about and its deterministic results (tau, lossless);
+    wall-clock figures vary from run to run and stay out of it.
+    """
+
+    stage: ClassVar[str] = "eval"
+    format_version: ClassVar[int] = 1
+    volatile: ClassVar[set[str]] = {"model_dir", "draft_dir"}
+    # Fields copied from the report dict of `eagle3.evaluate.measure`.
+    RESULTS: ClassVar[tuple[str, ...]] = (
+        "backend", "draft_format", "k", "num_prompts", "num_turns", "acceptance_length",
+        "per_position_acceptance", "lossless", "num_drafts", "num_accepted_tokens", "generated_tokens",
+        "tokens_per_second", "target_tokens_per_second", "speedup_vs_target",
+    )
+    TIMINGS: ClassVar[set[str]] = {"tokens_per_second", "target_tokens_per_second", "speedup_vs_target"}
+
+    model_dir: str = ""
+    draft_dir: str = ""
+    backend: str = "hf"
+    draft_format: str = Field("", description="'vllm' (native EAGLE-3 dir) or 'speculators'")
+    k: int = 0
+    num_prompts: int = 0
+    num_turns: int = 0
+    acceptance_length: float = 0.0
+    per_position_acceptance: list[float] = Field(default_factory=list)
+    lossless: bool = False
+    num_drafts: int = 0
+    num_accepted_tokens: int = 0
+    generated_tokens: int = 0
+    tokens_per_second: float = 0.0
+    target_tokens_per_second: float = 0.0
+    speedup_vs_target: float = 0.0
+    report_file: str = "report.json"
+    plot_file: str = Field("", description="acceptance.png, or '' when matplotlib is absent")
+
+    def _content(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", *self.volatile, *self.TIMINGS})

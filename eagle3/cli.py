@@ -161,7 +161,80 @@ def _cmd_verifier(a) -> None:
 
 
 # ---------------------------------------------------------------- main
-_ADDERS = [_add_assets, _add_prepare, _add_extract, _add_run, _add_verifier]
+# ---------------------------------------------------------------- eval
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="stage 5: acceptance length, speedup and a lossless check of a draft head")
+    p.add_argument("--model", required=True, help="target HF model dir")
+    p.add_argument("--draft", required=True,
+                   help="draft dir: our final/, a native vLLM EAGLE-3 dir, or a speculators-format dir")
+    p.add_argument("--prompts", default="mt-bench",
+                   help="'mt-bench' (both turns), a JSONL with `prompt` or `messages`, or a prepared dir (val split)")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per verify pass (default 3)")
+    p.add_argument("--out", required=True, help="output dir: report.json, acceptance.png, samples.jsonl, manifest.json")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn at most (default 256)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                   help="hf: chain decoding here (any machine); vllm: vLLM's own metrics (GPU host)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                   help="vllm: per engine (the target-only and the speculative engine share the GPU)")
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(a) -> None:
+    from eagle3.config import EvalConfig
+
+    EvalConfig(prompts=a.prompts, k=a.k, max_new_tokens=a.max_new_tokens, limit=a.limit,
+               backend=a.backend, gpu_memory_utilization=a.gpu_memory_utilization)  # bounds -> ValueError
+    if a.backend == "vllm":
+        from eagle3.eval_vllm import evaluate_vllm
+
+        m = evaluate_vllm(a.model, a.draft, a.prompts, a.k, a.out, a.max_new_tokens, a.limit,
+                          a.gpu_memory_utilization)
+    else:
+        from eagle3.evaluate import evaluate
+
+        def progress(i: int, n: int) -> None:
+            print(f"eval: {i}/{n} prompts", file=sys.stderr, flush=True)
+
+        m = evaluate(a.model, a.draft, a.prompts, a.k, a.out, a.max_new_tokens, a.limit, progress=progress)
+    print(json.dumps({"out": a.out, "draft_format": m.draft_format, "k": m.k, "num_prompts": m.num_prompts,
+                      "acceptance_length": round(m.acceptance_length, 4),
+                      "per_position_acceptance": [round(x, 4) for x in m.per_position_acceptance],
+                      "lossless": m.lossless, "tokens_per_second": round(m.tokens_per_second, 2),
+                      "target_tokens_per_second": round(m.target_tokens_per_second, 2),
+                      "speedup_vs_target": round(m.speedup_vs_target, 3)}, indent=1))
+
+
+# ---------------------------------------------------------------- train
+def _add_train(sub) -> None:
+    from eagle3.train.__main__ import add_train_flags
+
+    p = sub.add_parser("train", help="stage 4: train the EAGLE-3 draft (torchrun for N > 1 processes)")
+    add_train_flags(p)
+    p.add_argument("--nproc-per-node", type=int, default=1,
+                   help="processes (torchrun); for several nodes run `torchrun ... -m eagle3.train` yourself")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(a) -> None:
+    import subprocess
+
+    from eagle3.train.__main__ import main as train_main
+    from eagle3.train.__main__ import to_argv
+
+    argv = to_argv(a)
+    if a.nproc_per_node > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={a.nproc_per_node}", "-m", "eagle3.train", *argv]
+        rc = subprocess.call(cmd)
+    else:
+        rc = train_main(argv)
+    if rc:
+        raise UserError(f"training exited with status {rc}")
+
+
+# ---------------------------------------------------------------- main
+_ADDERS = [_add_assets, _add_prepare, _add_extract, _add_run, _add_verifier, _add_eval, _add_train]
 
 
 def build_parser() -> argparse.ArgumentParser:

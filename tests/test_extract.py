@@ -249,3 +249,17 @@ def test_incremental_run_extracts_only_new_samples(tiny_llama_dir, tmp_path):
                      reuse=[tmp_path / "x1"], show_progress=False)
     assert m3.stats["samples_reused"] == 0 and m3.stats["samples_computed"] == 21
     assert json.loads((tmp_path / "x2" / "manifest.json").read_text())["inputs"]["prepared"] != m1.inputs["prepared"]
+
+
+def test_in_place_rerun_on_grown_data_keeps_unchanged_shards(tiny_llama_dir, tmp_path):
+    rows = random_samples(1000, [70] * 9, seed=8)
+    prep = tmp_path / "prep"
+    cfg = ExtractConfig(aux_layer_ids=[1, 2, 3], shard_bytes=2 * 70 * bytes_per_token(3, 64, "bf16"))  # 2 a shard
+    write_prepared(prep, {"train": rows[:8]})
+    m1 = run_extract(tiny_llama_dir, prep, tmp_path / "out", cfg, show_progress=False)
+    assert len(m1.shards) == 4
+    write_prepared(prep, {"train": rows})  # one more sample at the end: a 5th shard
+    m2 = run_extract(tiny_llama_dir, prep, tmp_path / "out", cfg, show_progress=False)
+    assert m2.stats["shards_skipped"] == 4 and m2.stats["samples_computed"] == 1
+    assert [s.sha256 for s in m2.shards[:4]] == [s.sha256 for s in m1.shards]
+    assert m2.inputs["prepared"] != m1.inputs["prepared"] and len(open_store(tmp_path / "out")) == 9

@@ -52,7 +52,7 @@ def test_retry_resumes_and_cache_keys_on_content(tiny_llama_dir, tmp_path, monke
     assert m.stats["shards_skipped"] == 2  # the retry kept what the failed attempt committed
     assert [s.sha256 for s in m.shards] == [s.sha256 for s in ref.shards]
 
-    # same content, another output path -> cache hit (no body run: the backend is never built)
+    # same inputs again -> cache hit (no body run: the backend is never built)
     monkeypatch.setattr(er, "make_backend", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
     st2 = f(str(tmp_path / "out"), cfg)
     assert st2.name == "Cached" and st2.result().fingerprint == m.fingerprint

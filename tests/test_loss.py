@@ -102,3 +102,33 @@ def test_target_head_matches_manual_norm_and_lm_head():
     assert (expect == -1).any() and (expect >= 0).any()  # the case exercises both branches
     with pytest.raises(ValueError, match="distinct target ids"):
         TargetHead(norm_w, 1e-5, lm_head, torch.tensor([1, 0, 0, 0]))
+
+
+def test_draft_learns_a_fixed_target_end_to_end():
+    # model + blockwise attention + loss in one graph: a few Adam steps on one packed batch must
+    # cut the loss and lift top-1 agreement (a broken gradient anywhere stalls this)
+    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.train.attention import doc_ids_from_position_ids
+
+    torch.manual_seed(0)
+    c = DraftConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, intermediate_size=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                    max_position_embeddings=64, vocab_size=40, draft_vocab_size=16, aux_layer_ids=(1, 2, 3))
+    m = Eagle3Draft(c)
+    head = TargetHead(torch.ones(32), 1e-5, torch.randn(40, 32), torch.full((16,), 2, dtype=torch.long))
+    pos = torch.cat([torch.arange(14), torch.arange(18)])[None]
+    ids = torch.randint(0, 40, (1, 32))
+    aux = torch.randn(1, 32, 3, 32)
+    final = aux[:, :, 2] @ torch.randn(32, 32)  # a learnable function of the inputs
+    tl, top = head(final)
+    doc = doc_ids_from_position_ids(pos)
+    opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=3e-3)
+    first = None
+    for _ in range(60):
+        out = ttt_loss(m.ttt_forward(ids, aux, pos, steps=2, block=8), tl, top, torch.ones(1, 32), doc)
+        first = first or (out.loss.item(), out.accuracy[0])
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    assert out.loss.item() < 0.5 * first[0]
+    assert out.accuracy[0] > first[1] + 0.2

@@ -203,10 +203,11 @@ def run_extract(
     layer_ids = resolve_layer_ids(n, cfg.aux_layer_ids)
     n_aux = len(layer_ids) - 1
     model_fp = model_fingerprint(model)
+    # A shard's bytes depend on these and on its sample ids (content hashes) only -- not on the
+    # prepared manifest as a whole, so an in-place rerun on grown data keeps unchanged shards.
     common = {
         "format_version": FORMAT_VERSION,
         "model": model_fp,
-        "prepared": prep.fingerprint,
         "layer_ids": layer_ids,
         "storage": cfg.storage,
     }

@@ -286,6 +286,11 @@ class HiddenStateStore(Sequence):
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of each sample, from the index (no shard is read)."""
+        return [n for _, _, n in self._loc]
+
     def _shard(self, k: int) -> dict[str, torch.Tensor]:
         if k not in self._shards:
             self._shards[k] = mmap_shard(self.root / self.manifest.shards[k].file)

@@ -57,16 +57,24 @@ def _doc_starts(doc: torch.Tensor) -> torch.Tensor:
     return start.min(0).values
 
 
-def _block_scores(q_blk, k0, kd, doc, a, b, lo, scale):
+def _view(buf: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous view of the first prod(shape) elements of a flat scratch buffer."""
+    return buf[: math.prod(shape)].view(shape)
+
+
+def _block_scores(q_blk, k0, kd, doc, a, b, lo, scale, buf):
     """Scores of one query block [a, b) against step-0 keys [lo, b) and the diagonal.
 
-    q_blk: [B, Hkv, G, n, D]; k0: [B, Hkv, L, D]; kd: j tensors [B, Hkv, L, D]; doc: [B, L] or None.
-    Returns s0: [B, Hkv, G, n, b-lo] (masked entries -inf), sd: [B, Hkv, G, j, n] and the
+    q_blk: [B, Hkv, G, n, D]; k0: [B, Hkv, L, D]; kd: j tensors [B, Hkv, L, D]; doc: [B, L] or None;
+    buf: flat scratch of >= B*Hkv*G*n*(b-lo) elements, reused across blocks (one allocation per
+    call instead of one per block: large allocations are fresh, zero-filled pages every time).
+    Returns s0: [B, Hkv, G, n, b-lo] (masked entries -inf) in buf, sd: [B, Hkv, G, j, n] and the
     block's diagonal keys kd_blk: [B, Hkv, j, n, D].
     """
     B, Hkv, G, n, D = q_blk.shape
     # s0 = q @ k^T over the key window only; all G query heads of a kv head share one matmul.
-    s0 = torch.matmul(q_blk.reshape(B, Hkv, G * n, D), k0[:, :, lo:b].transpose(-1, -2))
+    s0 = _view(buf, B, Hkv, G * n, b - lo)
+    torch.matmul(q_blk.reshape(B, Hkv, G * n, D), k0[:, :, lo:b].transpose(-1, -2), out=s0)
     s0 = s0.view(B, Hkv, G, n, b - lo).mul_(scale)
     tq = torch.arange(a, b, device=q_blk.device)
     tk = torch.arange(lo, b, device=q_blk.device)
@@ -109,10 +117,11 @@ class TTTAttention(torch.autograd.Function):
         # lse in at least fp32: the backward pass rebuilds probabilities as exp(s - lse)
         lse = torch.empty(B, Hkv, G, L, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         starts = _doc_starts(doc) if doc is not None else None
+        buf = q.new_empty(B * Hq * min(block, L) * L)  # the one O(L * block) scratch
         for a in range(0, L, block):
             b = min(a + block, L)
             lo = int(starts[a]) if starts is not None else 0  # keys before lo are other documents
-            s0, sd, _ = _block_scores(qg[:, :, :, a:b], k0, kd, doc, a, b, lo, scale)
+            s0, sd, _ = _block_scores(qg[:, :, :, a:b], k0, kd, doc, a, b, lo, scale, buf)
             # m: [B, Hkv, G, n] max over both parts, for a stable exp
             m = torch.maximum(s0.amax(-1), sd.amax(-2)) if j else s0.amax(-1)
             p0 = s0.sub_(m[..., None]).exp_()  # in place: the scores are not needed again
@@ -143,12 +152,14 @@ class TTTAttention(torch.autograd.Function):
         dkd = [torch.empty_like(x) for x in kd]  # each row is written by exactly one block
         dvd = [torch.empty_like(x) for x in vd]
         starts = _doc_starts(doc) if doc is not None else None
+        buf = q.new_empty(B * Hq * min(block, L) * L)  # scores, then probabilities, then dS
+        dbuf = torch.empty_like(buf)  # dP
         for a in range(0, L, block):
             b = min(a + block, L)
             n = b - a
             lo = int(starts[a]) if starts is not None else 0
             q_blk, do_blk = qg[:, :, :, a:b], do[:, :, :, a:b]
-            s0, sd, kd_blk = _block_scores(q_blk, k0, kd, doc, a, b, lo, scale)
+            s0, sd, kd_blk = _block_scores(q_blk, k0, kd, doc, a, b, lo, scale, buf)
             l_blk, d_blk = lse[:, :, :, a:b, None], delta[:, :, :, a:b, None]
             p0 = s0.sub_(l_blk).exp_()  # [B, Hkv, G, n, b-lo]: the exact probabilities again
             pd = sd.sub_(l_blk.transpose(-1, -2)).exp_()  # [B, Hkv, G, j, n]
@@ -157,7 +168,9 @@ class TTTAttention(torch.autograd.Function):
             q_f = q_blk.reshape(B, Hkv, G * n, D)
             # step-0 part: dV = P^T dO; dP = dO V^T; dS = P * (dP - delta)
             dv0[:, :, lo:b] += torch.matmul(p0f.transpose(-1, -2), do_f)
-            dp = torch.matmul(do_f, v0[:, :, lo:b].transpose(-1, -2)).view_as(p0)
+            dp = _view(dbuf, B, Hkv, G * n, b - lo)
+            torch.matmul(do_f, v0[:, :, lo:b].transpose(-1, -2), out=dp)
+            dp = dp.view_as(p0)
             ds = p0.mul_(dp.sub_(d_blk)).mul_(scale)  # reuses p0's memory
             dsf = ds.view(B, Hkv, G * n, b - lo)
             dq_blk = torch.matmul(dsf, k0[:, :, lo:b]).view(B, Hkv, G, n, D)

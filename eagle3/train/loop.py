@@ -128,7 +128,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     draft = build_draft(cfg, hidden, verifier_dir).to(d.device)
     head = TargetHead.from_verifier(verifier_dir).to(d.device)
     train_store = open_store(hidden_dir, "train")
-    val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("samples") else None
+    val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
     lengths = train_store.lengths
     n_packs = len(epoch_packs(lengths, cfg.seed, 0, cfg.pack_tokens))
     spe = steps_per_epoch(n_packs, d.world, cfg.grad_accum)

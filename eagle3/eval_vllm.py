@@ -1,0 +1,132 @@
+"""The vLLM path of `eagle3 eval` (GPU host): the same report, from vLLM's own spec-decode counters.
+
+Contract, as read in vLLM's source (facts only):
+- `vllm/v1/metrics/reader.py`: `LLM.get_metrics()` returns dataclass records with `name` and
+  `labels`; counters come as `Counter(value: int)` under the name without `_total`;
+  `vllm:spec_decode_num_accepted_tokens_per_pos` comes as `Vector(values: list[int])`, one
+  entry per position; with several engines (data parallel) each label set is its own record.
+- `vllm/v1/spec_decode/metrics.py`: per verify pass, `num_drafts` += 1, `num_draft_tokens` += k,
+  `num_accepted_tokens` += accepted, `num_accepted_tokens_per_pos[i]` += 1 for each accepted
+  position i. So tau = 1 + accepted / drafts (REFERENCE §2).
+- `vllm/v1/metrics/loggers.py`: a new Prometheus logger unregisters existing `vllm:` metrics,
+  so the speculative engine is built last and its counters are read as before/after deltas.
+- `speculative_config={"method": "eagle3", "model": DIR, "num_speculative_tokens": k}` (always
+  pass `method`); `disable_log_stats=False` keeps the counters.
+
+Decoding mirrors the HF path: batch size 1, temperature 0, the same token-id prompts and the
+same two-turn conversations, target-only and speculative engines in the same process.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from eagle3.evaluate import Stats, _Timed, compare, dir_fingerprint, draft_format, load_prompts, run_conversation, summarize, write_outputs
+
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_counters(metrics: Iterable[Any]) -> dict[str, Any]:
+    """Sum vLLM's spec-decode counters over all label sets (engines).
+
+    Returns {"drafts", "draft_tokens", "accepted": int, "per_pos": list[int]}. Records of other
+    names or kinds (gauges, histograms) are ignored.
+    """
+    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    for m in metrics:
+        name = getattr(m, "name", "")
+        name = name[: -len("_total")] if name.endswith("_total") else name
+        if name in COUNTERS:
+            out[COUNTERS[name]] += int(m.value)
+        elif name == PER_POS:
+            vals = [int(v) for v in m.values]
+            pp = out["per_pos"]
+            pp.extend([0] * (len(vals) - len(pp)))
+            for i, v in enumerate(vals):
+                pp[i] += v
+    return out
+
+
+def stats_between(before: dict[str, Any], after: dict[str, Any], k: int) -> Stats:
+    """The counters accumulated between two `spec_counters` snapshots, as a Stats of k positions."""
+    d = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
+    if d["drafts"] and d["draft_tokens"] != d["drafts"] * k:
+        raise RuntimeError(f"vLLM drafted {d['draft_tokens']} tokens in {d['drafts']} passes, expected k={k} each")
+    pa, pb = after["per_pos"], before["per_pos"]
+    per = [(pa[i] if i < len(pa) else 0) - (pb[i] if i < len(pb) else 0) for i in range(k)]
+    if sum(per) != d["accepted"]:
+        raise RuntimeError(f"per-position accepted counts {per} do not sum to accepted tokens {d['accepted']}")
+    return Stats(k, drafts=d["drafts"], accepted=d["accepted"], per_pos=per)
+
+
+def evaluate_vllm(
+    model_dir: str | Path,
+    draft_dir: str | Path,
+    prompts: str | Path,
+    k: int,
+    out: str | Path,
+    max_new_tokens: int = 256,
+    limit: int | None = None,
+    gpu_memory_utilization: float = 0.4,
+):
+    """`eagle3 eval --backend vllm`: the report of `evaluate`, measured by vLLM on a GPU."""
+    import json
+
+    from vllm import LLM, SamplingParams
+
+    from eagle3.artifacts import EvalReport
+    from eagle3.config import EvalConfig
+    from eagle3.data.prepare import load_tokenizer
+    from eagle3.extract.run import model_fingerprint
+
+    cfg = EvalConfig(prompts=str(prompts), k=k, max_new_tokens=max_new_tokens, limit=limit, backend="vllm",
+                     gpu_memory_utilization=gpu_memory_utilization)
+    convs, prompts_fp = load_prompts(prompts, limit)
+    cpath = Path(draft_dir) / "config.json"
+    if not cpath.is_file():
+        raise ValueError(f"{draft_dir}: no config.json (expected an EAGLE-3 draft dir)")
+    fmt = draft_format(json.loads(cpath.read_text()))
+    tok = load_tokenizer(model_dir)
+    common = dict(model=str(model_dir), dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
+                  enable_prefix_caching=False, disable_log_stats=False)
+    base = LLM(**common)
+    spec = LLM(**common, speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})
+    sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+
+    def gen(llm):
+        def run(prompt: list[int]) -> list[int]:
+            (o,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+            return list(o.outputs[0].token_ids)
+
+        return run
+
+    t0 = time.perf_counter()
+    for llm in (base, spec):  # warm-up (CUDA graphs, allocator)
+        gen(llm)(tok("Hi", add_special_tokens=False)["input_ids"])
+    before = spec_counters(spec.get_metrics())
+    items, n_plain, t_plain, n_spec, t_spec = [], 0, 0.0, 0, 0.0
+    for conv in convs:
+        g, s = _Timed(gen(base)), _Timed(gen(spec))
+        ref = run_conversation(conv, tok, g)
+        got = run_conversation(conv, tok, s)
+        n_plain, t_plain = n_plain + sum(map(len, ref)), t_plain + g.seconds
+        n_spec, t_spec = n_spec + sum(map(len, got)), t_spec + s.seconds
+        items.append(compare(conv, ref, got, tok))
+    stats = stats_between(before, spec_counters(spec.get_metrics()), k)
+    report = summarize(k, convs, stats, items, (n_spec, t_spec), (n_plain, t_plain), max_new_tokens)
+    report.update(backend="vllm", draft_format=fmt, prompts=str(prompts), wall_seconds=time.perf_counter() - t0)
+    m = EvalReport(
+        config=cfg.model_dump(mode="json"),
+        inputs={"model": model_fingerprint(model_dir), "draft": dir_fingerprint(draft_dir), "prompts": prompts_fp},
+        model_dir=str(model_dir),
+        draft_dir=str(draft_dir),
+        **{f: report[f] for f in EvalReport.RESULTS},
+    )
+    return write_outputs(Path(out), report, m)

@@ -1,0 +1,356 @@
+"""Eval stage: chain speculative decoding, tau, lossless, head loaders, prompts, the CLI."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagle3.evaluate import (
+    Conversation,
+    DraftProposer,
+    Stats,
+    Target,
+    load_draft,
+    load_prompts,
+    measure,
+    read_jsonl_prompts,
+    render,
+    run_conversation,
+    speculative_generate,
+)
+from eagle3.model import DraftConfig, Eagle3Draft
+
+K = 3
+MAX_NEW = 12
+
+
+# ---------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def convs():
+    return [
+        Conversation("a", [{"role": "user", "content": "Name three colors."}]),
+        Conversation("b", [{"role": "user", "content": "What is 2+2?"}], ["And 3+3?"]),
+    ]
+
+
+def random_draft(tiny_llama_dir, draft_vocab=512, seed=0, **switches) -> Eagle3Draft:
+    """A random draft on the tiny target, with a random draft vocab and non-trivial norms."""
+    torch.manual_seed(seed)
+    c = DraftConfig.from_target(tiny_llama_dir, draft_vocab, aux_layer_ids=(1, 3, 4), **switches)
+    d = Eagle3Draft(c)
+    tid = torch.randperm(c.vocab_size)[:draft_vocab].sort().values
+    with torch.no_grad():
+        d.d2t.copy_(tid - torch.arange(draft_vocab))
+        d.t2d.zero_()
+        d.t2d[tid] = True
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return d.eval()
+
+
+def layer_config(c: DraftConfig) -> dict:
+    return {
+        "model_type": "llama", "hidden_act": "silu", "num_hidden_layers": 1, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size, "tie_word_embeddings": False,
+    }
+
+
+def write_native(d: Eagle3Draft, out, prefix: str = "", keep=("d2t", "t2d"), embed=False, file="model.safetensors"):
+    """vLLM's native EAGLE-3 layout (REFERENCE §2), as our exporter and EAGLE/SpecForge write it."""
+    c = d.config
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], **layer_config(c), "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size, "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc,
+        "norm_output": c.norm_output,
+    }
+    (out / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v for k, v in d.state_dict().items() if k not in ("d2t", "t2d", "embed_tokens.weight")}
+    sd.update({k: d.state_dict()[k] for k in keep})
+    if embed:
+        sd["embed_tokens.weight"] = d.embed_tokens.weight
+    sd = {prefix + k: v.contiguous() for k, v in sd.items()}
+    if file.endswith(".bin"):
+        torch.save(sd, out / file)
+    else:
+        save_file(sd, out / file)
+    return out
+
+
+def write_speculators(d: Eagle3Draft, out, verifier: str, embed: bool):
+    """speculators' Eagle3 layout: `speculators_model_type`, `transformer_layer_config`,
+    `speculators_config` (proposal_methods[0].speculative_tokens, verifier.name_or_path); the
+    decoder layer is `layers.0.*`, plus fc, input_norm (norm_before_fc), norm, lm_head, d2t, t2d;
+    embed_tokens is optional (speculators ignores it when missing on load)."""
+    c = d.config
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
+        "transformer_layer_config": layer_config(c), "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc,
+        "norm_output": c.norm_output, "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids), "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]},
+        },
+    }
+    (out / "config.json").write_text(json.dumps(cfg))
+    sd = {}
+    for k, v in d.state_dict().items():
+        if k == "embed_tokens.weight" and not embed:
+            continue
+        sd[k.replace("midlayer.", "layers.0.")] = v.contiguous()
+    save_file(sd, out / "model.safetensors")
+    return out
+
+
+class Oracle:
+    """Test draft: the target's own greedy continuation (full recompute, no cache). wrong=True
+    proposes each of those tokens + 1, so the first position is never accepted."""
+
+    def __init__(self, model, wrong: bool = False):
+        self.model, self.wrong = model, wrong
+
+    def reset(self) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, ids, aux, k):
+        seq, out = list(ids), []
+        for _ in range(k):
+            nxt = int(self.model(torch.tensor([seq])).logits[0, -1].argmax())
+            seq.append(nxt)
+            out.append((nxt + 1) % self.model.config.vocab_size if self.wrong else nxt)
+        return out
+
+
+class Mixed:
+    """Runs the real DraftProposer (so its KV-cache bookkeeping is exercised) but returns the
+    oracle's first n tokens, n random, then a wrong token: exactly n get accepted."""
+
+    def __init__(self, model, draft, seed=0):
+        self.oracle, self.dp, self.rng = Oracle(model), DraftProposer(draft), random.Random(seed)
+        self.calls, self.ns = [], []
+
+    def reset(self) -> None:
+        self.dp.reset()
+
+    def propose(self, ids, aux, k):
+        mine = self.dp.propose(ids, aux, k)
+        self.calls.append((list(ids), mine))
+        truth = self.oracle.propose(ids, aux, k)
+        n = self.rng.randint(0, k)
+        self.ns.append(n)
+        return truth[:n] + ([(truth[n] + 1) % len(self.dp.draft.t2d)] if n < k else []) + mine[n + 1 :]
+
+
+# ---------------------------------------------------------------- decoding
+def test_oracle_gives_k_plus_1_and_always_wrong_gives_1(target, convs):
+    model, tok = target
+    r = measure(model, tok, Oracle(model), (1, 3, 4), convs, K, MAX_NEW)
+    assert r["lossless"] is True
+    assert r["acceptance_length"] == K + 1
+    assert r["per_position_acceptance"] == [1.0] * K
+    assert r["num_turns"] == 3 and r["generated_tokens"] == r["target_generated_tokens"] > 0
+    w = measure(model, tok, Oracle(model, wrong=True), (1, 3, 4), convs, K, MAX_NEW)
+    assert w["lossless"] is True
+    assert w["acceptance_length"] == 1.0
+    assert w["per_position_acceptance"] == [0.0] * K and w["num_accepted_tokens"] == 0
+    # Every wrong pass yields exactly one token (the target's own): one pass per token but the first.
+    assert w["num_drafts"] == sum(t["tokens"] - 1 for it in w["items"] for t in it["turns"])
+    # The oracle accepts k per pass, + 1 bonus: ceil((n - 1) / (k + 1)) passes for n tokens.
+    assert r["num_drafts"] >= sum(-(-(t["tokens"] - 1) // (K + 1)) for it in r["items"] for t in it["turns"])
+
+
+def test_random_draft_is_lossless_and_counts_match_vllm(target, tiny_llama_dir, convs):
+    model, tok = target
+    d = random_draft(tiny_llama_dir)
+    d.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
+    r = measure(model, tok, DraftProposer(d), d.config.aux_layer_ids, convs, K, MAX_NEW)
+    assert r["lossless"] is True
+    assert 1.0 <= r["acceptance_length"] <= K + 1
+    assert r["acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
+    assert sum(r["num_accepted_tokens_per_pos"]) == r["num_accepted_tokens"]
+    assert r["num_draft_tokens"] == K * r["num_drafts"]
+
+
+def test_draft_cache_equals_a_fresh_draft_over_the_whole_prefix(target, tiny_llama_dir):
+    """After any mix of accepted/rejected rounds, the incremental draft (cache + crops) proposes
+    what a fresh draft proposes from all verified states at once; tau counts exactly the accepted."""
+    model, tok = target
+    d = random_draft(tiny_llama_dir, seed=1)
+    d.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
+    mixed = Mixed(model, d)
+    prompt = render(tok, [{"role": "user", "content": "Tell me a story about a cat."}])
+    stats = Stats(K)
+    out = speculative_generate(Target(model, d.config.aux_layer_ids), mixed, prompt, K, 24, set(), stats)
+    assert len(out) == 24
+    assert stats.drafts == len(mixed.ns) and stats.accepted == sum(mixed.ns)
+    assert stats.per_pos == [sum(n > i for n in mixed.ns) for i in range(K)]
+    assert any(0 < n < K for n in mixed.ns) and any(n == K for n in mixed.ns)
+    tgt = Target(model, d.config.aux_layer_ids)
+    for ids, mine in mixed.calls[1:]:
+        tgt.reset()
+        _, aux = tgt.forward(ids[:-1])  # states of t_0..t_{L-2}, no cache involved
+        assert DraftProposer(d).propose(ids, aux, K) == mine
+
+
+# ---------------------------------------------------------------- loaders
+def _same(a: Eagle3Draft, b: Eagle3Draft, skip=()):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb)
+    for k in sa:
+        if k not in skip:
+            torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, msg=k)
+
+
+def test_load_native_dirs_and_variants(target, tiny_llama_dir, tmp_path):
+    model, _ = target
+    emb = model.get_input_embeddings().weight
+    d = random_draft(tiny_llama_dir, norm_before_fc=True, norm_output=False, norm_before_residual=True)
+    # ours: no embed (the target's is used), d2t + t2d
+    got, fmt = load_draft(write_native(d, tmp_path / "ours"), tiny_llama_dir, emb)
+    assert fmt == "vllm" and got.config == d.config
+    _same(got, d, skip={"embed_tokens.weight"})
+    torch.testing.assert_close(got.embed_tokens.weight, emb, rtol=0, atol=0)
+    # another tool: `model.` prefix, embed present, t2d only (d2t derived), pytorch_model.bin
+    d.embed_tokens.weight.data.normal_()
+    got, _ = load_draft(write_native(d, tmp_path / "other", prefix="model.", keep=("t2d",), embed=True,
+                                     file="pytorch_model.bin"), tiny_llama_dir, emb)
+    _same(got, d)
+    # a broken dir names its file and what is missing
+    bad = write_native(d, tmp_path / "bad")
+    from safetensors.torch import load_file
+
+    sd = load_file(bad / "model.safetensors")
+    del sd["midlayer.self_attn.q_proj.weight"]
+    save_file(sd, bad / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.safetensors.*midlayer\.self_attn\.q_proj\.weight"):
+        load_draft(bad, tiny_llama_dir, emb)
+
+
+def test_load_speculators_dir(target, tiny_llama_dir, tmp_path):
+    model, tok = target
+    emb = model.get_input_embeddings().weight
+    d = random_draft(tiny_llama_dir, seed=3, norm_before_fc=True, norm_output=True, norm_before_residual=False)
+    d.embed_tokens.weight.data.copy_(emb)
+    for embed in (False, True):
+        got, fmt = load_draft(write_speculators(d, tmp_path / f"spec{embed}", tiny_llama_dir, embed), tiny_llama_dir, emb)
+        assert fmt == "speculators" and got.config == d.config
+        _same(got, d)
+    # and it proposes what the original proposes
+    prompt = render(tok, [{"role": "user", "content": "Hello there"}])
+    tgt = Target(model, d.config.aux_layer_ids)
+    tgt.reset()
+    nxt, aux = tgt.forward(prompt)  # aux [T, 3, H]
+    ids = prompt + [nxt[-1]]
+    assert DraftProposer(got).propose(ids, aux, 5) == DraftProposer(d).propose(ids, aux, 5)
+
+
+# ---------------------------------------------------------------- prompts
+def test_mtbench_two_turns_second_sees_first_answer(target):
+    _, tok = target
+    convs, fp = load_prompts("mt-bench")
+    assert len(convs) == 80 and all(c.turns == 2 for c in convs) and len(fp) == 64
+    convs, _ = load_prompts("mt-bench", limit=3)
+    assert len(convs) == 3
+    c = convs[0]
+    seen = []
+
+    def fake_generate(prompt):
+        seen.append(prompt)
+        return tok("ANSWER-ONE", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    run_conversation(c, tok, fake_generate)
+    assert len(seen) == 2
+    first, second = (tok.decode(p) for p in seen)
+    assert c.messages[0]["content"] in first and first.endswith("<|im_start|>assistant\n")
+    assert second.startswith(first) and "ANSWER-ONE<|im_end|>" in second
+    assert c.followups[0] in second and second.endswith("<|im_start|>assistant\n")
+
+
+def test_jsonl_prompts_and_errors(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text(
+        json.dumps({"prompt": "hi"}) + "\n\n"
+        + json.dumps({"id": "m", "messages": [{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": "q"},
+                                               {"role": "assistant", "content": "reference"}]}) + "\n"
+    )
+    a, b = read_jsonl_prompts(p)
+    assert a.messages == [{"role": "user", "content": "hi"}] and a.turns == 1
+    assert b.id == "m" and [m["role"] for m in b.messages] == ["system", "user"]
+    p.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no"}) + "\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: needs a `prompt`"):
+        read_jsonl_prompts(p)
+    with pytest.raises(ValueError, match="not 'mt-bench'"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_prepared_val_split_prompts(tiny_llama_dir, tmp_path):
+    from eagle3.config import PrepareConfig
+    from eagle3.data.prepare import prepare
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                 {"role": "assistant", "content": f"answer number {i}"}]}) + "\n"
+        for i in range(6)
+    ))
+    prepare(tiny_llama_dir, tmp_path / "prep", PrepareConfig(data=str(data), val_fraction=0.5), progress=False)
+    convs, fp = load_prompts(tmp_path / "prep")
+    assert convs and len(fp) == 64
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for c in convs:
+        q = tok.decode(c.ids).split("question ")[1].split("<|im_end|>")[0]
+        assert c.ids == render(tok, [{"role": "user", "content": f"question {q}"}])
+
+
+# ---------------------------------------------------------------- CLI, report, manifest
+def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
+    from eagle3.artifacts import EvalReport
+    from eagle3.cli import main
+
+    model, _ = target
+    d = random_draft(tiny_llama_dir, seed=4)
+    draft = write_native(d, tmp_path / "final")
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "Say something."}) + "\n" + json.dumps({"prompt": "Count to five."}) + "\n")
+    out = tmp_path / "eval"
+    rc = main(["eval", "--model", str(tiny_llama_dir), "--draft", str(draft), "--prompts", str(p),
+               "--k", "2", "--max-new-tokens", "8", "--out", str(out)])
+    assert rc == 0
+    r = json.loads((out / "report.json").read_text())
+    for key in ("acceptance_length", "per_position_acceptance", "k", "num_prompts", "lossless",
+                "tokens_per_second", "speedup_vs_target"):
+        assert key in r
+    assert r["k"] == 2 and r["num_prompts"] == 2 and r["lossless"] is True and r["lossless_failures"] == []
+    assert len(r["per_position_acceptance"]) == 2 and r["tokens_per_second"] > 0 and r["speedup_vs_target"] > 0
+    assert r["acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 2
+    m = EvalReport.read(out)
+    assert m.acceptance_length == r["acceptance_length"] and m.lossless and m.draft_format == "vllm"
+    assert set(m.inputs) == {"model", "draft", "prompts"} and m.plot_file == "acceptance.png"
+    # a user error is one line, exit 2
+    assert main(["eval", "--model", str(tiny_llama_dir), "--draft", str(tmp_path), "--prompts", str(p),
+                 "--k", "2", "--out", str(tmp_path / "e2")]) == 2
