@@ -11,6 +11,15 @@ from eagle3.train.loss import TargetHead, step_weights, ttt_loss
 LN2 = math.log(2)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: one thread avoids OpenMP barrier waits on the shared 2-core machine (50x here).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _case():
     """B=1, L=6, Vd=3. Target distribution per position s (the one that predicts token s+1)."""
     p = torch.tensor(

@@ -28,6 +28,15 @@ VLLM_NAMES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: one thread avoids OpenMP barrier waits on the shared 2-core machine (50x here).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny(**switches) -> DraftConfig:
     return DraftConfig(
         hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -1,0 +1,214 @@
+"""Trainer: torchrun DDP equals one process, SIGKILL + resume equals uninterrupted, and the export
+is what vLLM's EAGLE-3 loader reads."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3.config import ExtractConfig, PrepareConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+AUX = [1, 3, 4]  # the 6-layer tiny Llama: (2, N//2, N-3) would repeat 3
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory, tiny_llama_dir):
+    """prepare -> extract -> verifier on the tiny Llama and 40 real ShareGPT conversations."""
+    from eagle3.data.prepare import prepare
+    from eagle3.extract import run_extract
+    from eagle3.verifier import extract_verifier
+
+    root = tmp_path_factory.mktemp("train-stages")
+    prepare(tiny_llama_dir, root / "prep", PrepareConfig(data="sharegpt", limit=40, max_len=96, val_fraction=0.1),
+            progress=False)
+    run_extract(tiny_llama_dir, root / "prep", root / "hid", ExtractConfig(aux_layer_ids=AUX), show_progress=False)
+    extract_verifier(tiny_llama_dir, root / "prep", root / "ver")
+    return root
+
+
+FLAGS = ["--ttt-steps", "2", "--pack-tokens", "192", "--log-every", "1", "--val-every", "1000",
+         "--ckpt-every", "2", "--warmup-steps", "1", "--threads", "1", "--lr", "1e-3"]
+
+
+def run_train(stages: Path, out: Path, *extra: str, nproc: int = 1, wait: bool = True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "eagle3.train", "--hidden", str(stages / "hid"), "--verifier", str(stages / "ver"),
+           "--out", str(out), *FLAGS, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    if wait:
+        text = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, text[-3000:]
+    return p
+
+
+def losses(out: Path) -> dict[int, float]:
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r["split"] == "train"}
+
+
+def test_two_processes_equal_one_with_same_global_batch(stages, tmp_path):
+    run_train(stages, tmp_path / "one", "--max-steps", "4", "--grad-accum", "2", nproc=1)
+    run_train(stages, tmp_path / "two", "--max-steps", "4", "--grad-accum", "1", nproc=2)
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(a) == [1, 2, 3, 4] and a[1] > 0
+    for s in a:
+        assert abs(a[s] - b[s]) <= 1e-6, (s, a[s], b[s])
+    wa = load_file(tmp_path / "one" / "final" / "model.safetensors")
+    wb = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0)
+
+
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(stages, tmp_path):
+    steps = ["--max-steps", "8", "--epochs", "5"]
+    run_train(stages, tmp_path / "clean", *steps)
+    p = run_train(stages, tmp_path / "killed", *steps, wait=False)
+    deadline = time.time() + 300
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    while time.time() < deadline:  # kill once step 5 is logged: after the step-4 checkpoint
+        if metrics.is_file() and max(losses(tmp_path / "killed"), default=0) >= 5:
+            break
+        assert p.poll() is None, p.stdout.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not (tmp_path / "killed" / "final").exists()
+    done = sorted((tmp_path / "killed" / "checkpoints").glob("step-*"))
+    assert done and done[-1].name == "step-00000004"
+    run_train(stages, tmp_path / "killed", *steps)
+    assert losses(tmp_path / "killed") == losses(tmp_path / "clean")  # bitwise: same steps, same floats
+    a = load_file(tmp_path / "clean" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- export
+def vllm_expected(c) -> dict[str, tuple[int, ...]]:
+    """Names and shapes vLLM's llama_eagle3.py loads: `midlayer.` is mapped to `layers.0.`, names without
+    `lm_head` get a `model.` prefix, q/k/v and gate/up are stacked by its loader, `d2t` becomes
+    draft_id_to_target_id, `t2d` is skipped, and embed_tokens is optional (shared with the target)."""
+    H, Ht, I, hd = c.hidden_size, c.target_hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    e = {
+        "fc.weight": (H, 3 * Ht),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (c.draft_vocab_size, H),
+        "d2t": (c.draft_vocab_size,),
+        "t2d": (c.vocab_size,),
+    }
+    if c.norm_before_fc:
+        e["input_norm.weight"] = (3 * Ht,)  # newer vLLM reads norm_before_fc as this RMSNorm
+    return e
+
+
+@pytest.fixture(scope="module")
+def trained(stages, tmp_path_factory):
+    from eagle3.train.loop import train
+
+    out = tmp_path_factory.mktemp("trained")
+    cfg = TrainConfig(ttt_steps=2, pack_tokens=192, max_steps=3, val_every=2, ckpt_every=2, threads=1, lr=1e-3)
+    m = train(cfg, stages / "hid", stages / "ver", out, progress=False)
+    return out, m
+
+
+def test_native_export_is_what_vllm_loads(trained, tiny_llama_dir):
+    from eagle3.model import DraftConfig
+
+    out, m = trained
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    target = json.loads((tiny_llama_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == target["vocab_size"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX
+    for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual"):
+        assert key in cfg
+    c = DraftConfig(**m.draft_config)
+    w = load_file(out / "final" / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in w.items()} == vllm_expected(c)
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    assert not any(k.startswith("model.") for k in w)
+
+
+def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
+    """Build a draft from final/config.json alone + the target embedding; its logits equal the
+    best checkpoint's, bitwise."""
+    from eagle3.extract import open_store
+    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.train.checkpoint import BEST, CKPT_DIR, load
+
+    out, m = trained
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    c = DraftConfig(
+        hidden_size=cfg["hidden_size"], target_hidden_size=cfg["target_hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg["rms_norm_eps"],
+        rope_theta=cfg["rope_theta"], rope_scaling=cfg["rope_scaling"],
+        max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
+        draft_vocab_size=cfg["draft_vocab_size"], aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"],
+        norm_before_fc=cfg["norm_before_fc"], norm_output=cfg["norm_output"],
+        norm_before_residual=cfg["norm_before_residual"],
+    )
+    ver = load_file(stages / "ver" / "verifier.safetensors")
+    mine = Eagle3Draft(c)
+    missing, unexpected = mine.load_state_dict(load_file(out / "final" / "model.safetensors"), strict=False)
+    assert missing == ["embed_tokens.weight"] and not unexpected
+    mine.embed_tokens.weight.data.copy_(ver["embed_tokens"])
+    ref = Eagle3Draft(c)
+    ref.load_state_dict(load(out / CKPT_DIR / BEST)[0])
+    s = open_store(stages / "hid", "val")[0]
+    ids, aux = s["input_ids"].long()[None], s["aux_hidden_states"].float()[None]
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        a = mine.ttt_forward(ids, aux, pos, steps=2)
+        b = ref.ttt_forward(ids, aux, pos, steps=2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert m.best_step in (2, 3) and m.best_sim_tau >= 1.0
+
+
+def test_speculators_export_layout(trained, tmp_path):
+    from eagle3.model import DraftConfig
+    from eagle3.train.checkpoint import BEST, CKPT_DIR, load
+    from eagle3.train.export import export
+
+    out, m = trained
+    c = DraftConfig(**m.draft_config)
+    export(load(out / CKPT_DIR / BEST)[0], c, 2, tmp_path / "spec", "speculators", verifier="tiny-llama")
+    cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny-llama"
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    w = load_file(tmp_path / "spec" / "model.safetensors")
+    native = {k.replace("midlayer.", "layers.0."): v for k, v in vllm_expected(c).items()}
+    assert {k: tuple(v.shape) for k, v in w.items()} == native
+
+
+def test_mismatched_checkpoint_is_refused(trained, stages):
+    from eagle3.train.loop import train
+
+    out, _ = trained
+    (out / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="different config"):
+        train(TrainConfig(ttt_steps=3, pack_tokens=192, max_steps=3, threads=1), stages / "hid", stages / "ver",
+              out, progress=False)
