@@ -210,9 +210,7 @@ def _add_train(sub) -> None:
     from eagle3.train.__main__ import add_train_flags
 
     p = sub.add_parser("train", help="stage 4: train the EAGLE-3 draft (torchrun for N > 1 processes)")
-    add_train_flags(p)
-    p.add_argument("--nproc-per-node", type=int, default=1,
-                   help="processes (torchrun); for several nodes run `torchrun ... -m eagle3.train` yourself")
+    add_train_flags(p)  # --nproc-per-node N > 1 runs torchrun; for several nodes run `torchrun -m eagle3.train`
     p.set_defaults(func=_cmd_train)
 
 
@@ -222,11 +220,12 @@ def _cmd_train(a) -> None:
     from eagle3.train.__main__ import main as train_main
     from eagle3.train.__main__ import to_argv
 
+    from eagle3.train.__main__ import config_from_args, torchrun_command
+
     argv = to_argv(a)
-    if a.nproc_per_node > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={a.nproc_per_node}", "-m", "eagle3.train", *argv]
-        rc = subprocess.call(cmd)
+    n = config_from_args(a).nproc_per_node
+    if n > 1:
+        rc = subprocess.call(torchrun_command(n, argv))
     else:
         rc = train_main(argv)
     if rc:

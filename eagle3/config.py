@@ -99,6 +99,7 @@ class TrainConfig(_Cfg):
     fsdp: bool = Field(False, description="FSDP2 instead of DDP (CUDA only)")
     export_format: Literal["vllm", "speculators"] = Field("vllm", description="layout of final/")
     threads: int | None = Field(None, ge=1, description="torch CPU threads per process (default: torch's)")
+    nproc_per_node: int = Field(1, ge=1, description="training processes (torchrun) on this node: GPUs, or CPU ranks")
 
 
 class PipelineConfig(_Cfg):
@@ -108,6 +109,8 @@ class PipelineConfig(_Cfg):
     run_dir: str = Field("runs/demo", description="root dir; each stage writes <run_dir>/<stage>")
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: "EvalConfig" = Field(default_factory=lambda: EvalConfig())
 
     def stage_dir(self, stage: str) -> Path:
         return Path(self.run_dir) / stage
@@ -142,3 +145,6 @@ class EvalConfig(_Cfg):
     gpu_memory_utilization: float = Field(
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
     )
+
+
+PipelineConfig.model_rebuild()

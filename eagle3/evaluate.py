@@ -148,21 +148,29 @@ def read_prepared_prompts(prepared: Path, limit: int | None = None) -> list[Conv
     return convs
 
 
-def load_prompts(src: str | Path, limit: int | None = None) -> tuple[list[Conversation], str]:
-    """(conversations, content fingerprint) from 'mt-bench', a JSONL file or a prepared dir."""
+def prompts_fingerprint(src: str | Path) -> str:
+    """Content fingerprint of a prompt source (the file's sha256, or the prepare manifest's)."""
     from eagle3.atomic import sha256_file
 
     if str(src) == "mt-bench":
-        path = mtbench_path()
-        return read_jsonl_prompts(path, limit), sha256_file(path)
+        return sha256_file(mtbench_path())
     path = Path(src)
     if path.is_dir():
         from eagle3.artifacts import PreparedData
 
-        return read_prepared_prompts(path, limit), PreparedData.read(path).fingerprint
+        return PreparedData.read(path).fingerprint
     if path.is_file():
-        return read_jsonl_prompts(path, limit), sha256_file(path)
+        return sha256_file(path)
     raise ValueError(f"--prompts {src}: not 'mt-bench', a JSONL file or a prepared dir")
+
+
+def load_prompts(src: str | Path, limit: int | None = None) -> tuple[list[Conversation], str]:
+    """(conversations, content fingerprint) from 'mt-bench', a JSONL file or a prepared dir."""
+    fp = prompts_fingerprint(src)
+    if str(src) == "mt-bench":
+        return read_jsonl_prompts(mtbench_path(), limit), fp
+    path = Path(src)
+    return (read_prepared_prompts(path, limit) if path.is_dir() else read_jsonl_prompts(path, limit)), fp
 
 
 def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -1,11 +1,12 @@
-"""The pipeline flow under a real (test-harness) Prefect server: content-keyed caching."""
+"""The pipeline flow under a real (test-harness) Prefect server: every stage, content-keyed caching."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from eagle3.config import PipelineConfig, PrepareConfig
+from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
 
 
 def run(cfg):
@@ -16,7 +17,7 @@ def run(cfg):
     return state
 
 
-def task_states(flow_state):
+def task_states(flow_state) -> dict[str, str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -25,28 +26,47 @@ def task_states(flow_state):
     return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
 
 
-def test_second_run_is_cached_and_edited_input_is_not(tmp_path, smollm2_dir, prefect_env):
+STAGES = ["prepare", "extract", "verifier", "train", "eval"]
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path, tiny_llama_dir):
     src = tmp_path / "chats.jsonl"
-    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"answer {i}"}]}
-            for i in range(12)]
+    rows = [{"conversations": [{"from": "human", "value": f"question {i}: what is {i} plus {i}?"},
+                               {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. " * 3}]} for i in range(12)]
     src.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = PipelineConfig(model=str(smollm2_dir), run_dir=str(tmp_path / "run"),
-                         prepare=PrepareConfig(data=str(src), draft_vocab=64))
-    assert task_states(run(cfg)) == {"prepare": "Completed"}
-    assert task_states(run(cfg)) == {"prepare": "Cached"}
-    # Same path, new content: the content key changes, so the stage reruns.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 plus 2?"}) + "\n")
+    cfg = PipelineConfig(
+        model=str(tiny_llama_dir), run_dir=str(tmp_path / "run"),
+        prepare=PrepareConfig(data=str(src), draft_vocab=256, val_fraction=0.2),
+        extract=ExtractConfig(aux_layer_ids=[1, 3, 4]),
+        train=TrainConfig(ttt_steps=2, max_steps=2, pack_tokens=128, threads=1, val_every=1, ckpt_every=1),
+        eval=EvalConfig(prompts=str(prompts), k=2, max_new_tokens=6),
+    )
+    return cfg, src, rows
+
+
+def test_all_stages_cached_then_edited_input_reruns(tiny_cfg, prefect_env):
+    cfg, src, rows = tiny_cfg
+    assert task_states(run(cfg)) == dict.fromkeys(STAGES, "Completed")
+    assert task_states(run(cfg)) == dict.fromkeys(STAGES, "Cached")
+    # Same path, new content: the content key changes, so prepare and what depends on it rerun.
     src.write_text("\n".join(json.dumps(r) for r in rows[:-1]))
-    s3 = run(cfg)
-    assert task_states(s3) == {"prepare": "Completed"}
+    states = task_states(run(cfg))
+    assert {s: states[s] for s in STAGES[:4]} == dict.fromkeys(STAGES[:4], "Completed")
+    # eval is keyed on the exported weights: if the dropped record was a validation one, training
+    # saw the same rows, wrote the same draft, and eval is rightly served from the cache.
+    assert states["eval"] in ("Completed", "Cached")
     from eagle3.artifacts import PreparedData
 
-    assert PreparedData.read(tmp_path / "run" / "prepare").records_read == 11
+    assert PreparedData.read(cfg.stage_dir("prepare")).records_read == 11
     # A cached result whose output dir was deleted reruns instead of pointing at nothing.
-    import shutil
-
-    shutil.rmtree(tmp_path / "run" / "prepare")
-    assert task_states(run(cfg)) == {"prepare": "Completed"}
-    assert PreparedData.exists(tmp_path / "run" / "prepare")
+    shutil.rmtree(cfg.stage_dir("eval"))
+    states = task_states(run(cfg))
+    assert states["eval"] == "Completed" and states["train"] == "Cached"
+    report = json.loads((cfg.stage_dir("eval") / "report.json").read_text())
+    assert report["lossless"] is True and 1.0 <= report["acceptance_length"] <= 3.0
 
 
 def test_pipeline_config_validates():

@@ -22,6 +22,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output dir: checkpoints/, final/, metrics.jsonl, manifest.json")
     p.add_argument("--config", default=None, help="TrainConfig as YAML/JSON (flags override it)")
     p.add_argument("--verifier-name", default="", help="target name recorded in a speculators export")
+    p.add_argument("--restart-on-mismatch", action="store_true",
+                   help="clear checkpoints of another config/inputs in --out instead of refusing to start")
     for name, f in TrainConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         ann = f.annotation
@@ -36,6 +38,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="alias of --export-format")
 
 
+def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m eagle3.train ARGV`, with this interpreter."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "eagle3.train", *argv]
+
+
 def to_argv(a: argparse.Namespace) -> list[str]:
     """Flags that reproduce `a` for `python -m eagle3.train` (used to launch torchrun)."""
     argv = ["--hidden", str(a.hidden), "--verifier", str(a.verifier), "--out", str(a.out)]
@@ -43,6 +51,8 @@ def to_argv(a: argparse.Namespace) -> list[str]:
         argv += ["--config", str(a.config)]
     if a.verifier_name:
         argv += ["--verifier-name", a.verifier_name]
+    if a.restart_on_mismatch:
+        argv.append("--restart-on-mismatch")
     for name in TrainConfig.model_fields:
         v = getattr(a, name, None)
         if v is None:
@@ -75,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3.train.loop import train
 
     try:
-        train(config_from_args(a), a.hidden, a.verifier, a.out, verifier_name=a.verifier_name)
+        train(config_from_args(a), a.hidden, a.verifier, a.out, verifier_name=a.verifier_name,
+              restart_on_mismatch=a.restart_on_mismatch)
     except (ValueError, FileNotFoundError) as e:
         print(f"eagle3 train (rank {rank}): error: {e}", file=sys.stderr)
         return 2

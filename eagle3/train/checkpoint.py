@@ -96,3 +96,14 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
     for d in step_dirs(root)[:-keep]:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def clear(root: Path, also: list[str]) -> None:
+    """Remove every checkpoint and the named run files (a run of other inputs)."""
+    shutil.rmtree(root / CKPT_DIR, ignore_errors=True)
+    for name in also:
+        p = root / name
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.exists():
+            p.unlink()

@@ -106,8 +106,12 @@ def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, weights, amp) -
 
 
 def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, out: str | Path,
-          verifier_name: str = "", progress: bool = True) -> TrainedDraft | None:
-    """Train (or resume) a draft; rank 0 returns the manifest of `out`, other ranks None."""
+          verifier_name: str = "", progress: bool = True, restart_on_mismatch: bool = False) -> TrainedDraft | None:
+    """Train (or resume) a draft; rank 0 returns the manifest of `out`, other ranks None.
+
+    Checkpoints in `out` from another config or other inputs are an error, or, with
+    `restart_on_mismatch` (the pipeline's choice: its stage dir follows its inputs), are cleared.
+    """
     hidden_dir, verifier_dir, out = Path(hidden_dir), Path(verifier_dir), Path(out)
     d = dist.init()
     if cfg.threads:
@@ -145,8 +149,16 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     if last is not None:
         state_dict, state, meta = ckpt.load(last)
         if meta.get("config") != config or meta.get("inputs") != inputs:
-            raise ValueError(f"{last}: checkpoint of a different config or different inputs; "
-                             f"use a new --out dir (or delete {out / ckpt.CKPT_DIR})")
+            if not restart_on_mismatch:
+                raise ValueError(f"{last}: checkpoint of a different config or different inputs; "
+                                 f"use a new --out dir (or delete {out / ckpt.CKPT_DIR})")
+            dist.barrier()
+            if d.main:
+                log.warning("train: %s holds a run of another config or other inputs; starting over", out)
+                ckpt.clear(out, [METRICS, FINAL, "manifest.json", "curves.png"])
+            dist.barrier()
+            last = None
+    if last is not None:
         draft.load_state_dict(state_dict)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])

@@ -1,0 +1,81 @@
+"""Prefect task for stage 5 (eval)."""
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from eagle3.artifacts import EvalReport
+from eagle3.config import EvalConfig
+from eagle3.evaluate import dir_fingerprint, prompts_fingerprint
+from eagle3.extract import model_fingerprint
+from tasks._cache import content_policy
+
+
+def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
+    cfg: EvalConfig = inputs["cfg"]
+    return {
+        "format": EvalReport.format_version,
+        "model": model_fingerprint(inputs["model"]),
+        "draft": dir_fingerprint(inputs["draft"]),
+        "prompts": prompts_fingerprint(cfg.prompts),
+        "config": cfg.model_dump(mode="json", exclude={"prompts"}),
+    }
+
+
+def results_table(m: EvalReport) -> list[dict[str, Any]]:
+    rows = [
+        {"what": "acceptance length (tau)", "value": round(m.acceptance_length, 4)},
+        {"what": "k", "value": m.k},
+        {"what": "lossless", "value": m.lossless},
+        {"what": "tokens/s (speculative)", "value": round(m.tokens_per_second, 2)},
+        {"what": "tokens/s (target greedy)", "value": round(m.target_tokens_per_second, 2)},
+        {"what": "speedup vs target", "value": round(m.speedup_vs_target, 3)},
+        {"what": "prompts / turns", "value": f"{m.num_prompts} / {m.num_turns}"},
+        {"what": "verify passes", "value": m.num_drafts},
+        {"what": "backend / head format", "value": f"{m.backend} / {m.draft_format}"},
+    ]
+    rows += [{"what": f"acceptance at position {i}", "value": round(a, 4)}
+             for i, a in enumerate(m.per_position_acceptance, 1)]
+    return rows
+
+
+def report_markdown(m: EvalReport, out: str | Path) -> str:
+    """The results table plus the per-position plot, embedded (the UI cannot read the worker's disk)."""
+    lines = [f"# eagle3 eval: `{m.draft_dir}`", "", "| what | value |", "|---|---|"]
+    lines += [f"| {r['what']} | {r['value']} |" for r in results_table(m)]
+    png = Path(out) / m.plot_file if m.plot_file else None
+    if png is not None and png.is_file():
+        b64 = base64.b64encode(png.read_bytes()).decode()
+        lines += ["", f"![per-position acceptance](data:image/png;base64,{b64})"]
+    lines += ["", f"report: `{Path(out) / m.report_file}`"]
+    return "\n".join(lines) + "\n"
+
+
+@task(
+    name="eval",
+    cache_policy=content_policy("eval", _fingerprints),
+    retries=1,
+    retry_delay_seconds=[10],
+)
+def eval_task(model: str, draft: str, out: str, cfg: EvalConfig) -> EvalReport:
+    """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
+    log = get_run_logger()
+    if cfg.backend == "vllm":
+        from eagle3.eval_vllm import evaluate_vllm
+
+        m = evaluate_vllm(model, draft, cfg.prompts, cfg.k, out, cfg.max_new_tokens, cfg.limit,
+                          cfg.gpu_memory_utilization)
+    else:
+        from eagle3.evaluate import evaluate
+
+        m = evaluate(model, draft, cfg.prompts, cfg.k, out, cfg.max_new_tokens, cfg.limit,
+                     progress=lambda i, n: log.info("eval: %d/%d prompts", i, n))
+    log.info("eval: tau %.3f at k=%d, lossless %s, %.2f tok/s, speedup %.3fx over greedy",
+             m.acceptance_length, m.k, m.lossless, m.tokens_per_second, m.speedup_vs_target)
+    create_table_artifact(results_table(m), key="eval-results", description="eagle3 eval: tau, speed, lossless")
+    create_markdown_artifact(report_markdown(m, out), key="eval-report", description="eagle3 eval: report and plot")
+    return m

@@ -1,0 +1,106 @@
+"""Prefect task for stage 4 (train): torchrun as a subprocess, its output streamed to the run log.
+
+A non-zero exit raises, so Prefect retries; the trainer resumes from its last checkpoint.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from eagle3.artifacts import HiddenStates, TrainedDraft, VerifierWeights
+from eagle3.config import TrainConfig
+from eagle3.train.__main__ import torchrun_command
+from tasks._cache import content_policy
+
+
+def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": TrainedDraft.format_version,
+        "hidden": HiddenStates.read(inputs["hidden"]).fingerprint,
+        "verifier": VerifierWeights.read(inputs["verifier"]).fingerprint,
+        "config": inputs["cfg"].model_dump(mode="json"),
+    }
+
+
+def train_command(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "") -> list[str]:
+    cfg_path = Path(out) / "train_config.json"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(cfg.model_dump_json(indent=1))
+    # The stage dir follows its inputs: checkpoints of other inputs are stale, not a conflict.
+    argv = ["--hidden", hidden, "--verifier", verifier, "--out", out, "--config", str(cfg_path),
+            "--restart-on-mismatch"]
+    if verifier_name:
+        argv += ["--verifier-name", verifier_name]
+    return torchrun_command(cfg.nproc_per_node, argv)
+
+
+def run_streamed(cmd: list[str], log) -> None:
+    """Run `cmd`, every output line to the Prefect logger; raise on a non-zero exit (so retries apply)."""
+    log.info("$ %s", shlex.join(cmd))
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as p:
+        for line in p.stdout:
+            line = line.rstrip()
+            if line and "\r" not in line:
+                log.info(line)
+            elif line:
+                log.info(line.split("\r")[-1])  # progress bars: keep the latest state only
+    if p.returncode == 2:
+        raise UserInputError(f"training refused its input (status 2; see the log): {shlex.join(cmd)}")
+    if p.returncode:
+        raise RuntimeError(f"torchrun exited with status {p.returncode}: {shlex.join(cmd)}")
+
+
+class UserInputError(RuntimeError):
+    """Bad input or config: retrying cannot help."""
+
+
+def _retry(task, task_run, state) -> bool:
+    """Retry crashes and kills (the trainer resumes), not refused input."""
+    try:
+        state.result()
+    except UserInputError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def metrics_table(m: TrainedDraft) -> list[dict[str, Any]]:
+    v = m.val
+    rows = [{"what": "optimizer steps", "value": m.steps},
+            {"what": "best simulated tau (val)", "value": round(m.best_sim_tau, 4)},
+            {"what": "best step", "value": m.best_step}]
+    if v:
+        rows.append({"what": "val loss", "value": round(v["loss"], 5)})
+        rows += [{"what": f"val top-1 step {j}", "value": round(a, 4)} for j, a in enumerate(v["acc"])]
+    return rows
+
+
+def summary_markdown(m: TrainedDraft, out: str) -> str:
+    png = Path(out) / "curves.png"
+    img = ""
+    if png.is_file():
+        img = f"\n![training curves](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})\n"
+    return (f"# eagle3 train\n\nDraft exported to `{Path(out) / m.final_dir}` ({m.export_format} format): "
+            f"best simulated tau **{m.best_sim_tau:.3f}** at step {m.best_step} of {m.steps}.\n{img}\n"
+            f"Metrics: `{Path(out) / 'metrics.jsonl'}`; curves: `{png}`.\n")
+
+
+@task(name="train", cache_policy=content_policy("train", _fingerprints), retries=2, retry_delay_seconds=[5, 30],
+      retry_condition_fn=_retry)
+def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "") -> TrainedDraft:
+    """Train the draft under torchrun; a retry resumes from the last checkpoint."""
+    log = get_run_logger()
+    run_streamed(train_command(hidden, verifier, out, cfg, verifier_name), log)
+    m = TrainedDraft.read(out)
+    create_table_artifact(metrics_table(m), key="train-metrics", description="eagle3 train: validation metrics")
+    create_markdown_artifact(summary_markdown(m, out), key="train-summary", description="eagle3 train: summary")
+    log.info("train: %s", json.dumps({"steps": m.steps, "best_sim_tau": m.best_sim_tau}))
+    return m

@@ -1,0 +1,28 @@
+"""Prefect task for stage 3 (verifier weights)."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from eagle3.artifacts import PreparedData, VerifierWeights
+from eagle3.extract import model_fingerprint
+from eagle3.verifier import extract_verifier
+from tasks._cache import content_policy
+
+
+def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": VerifierWeights.format_version,
+        "model": model_fingerprint(inputs["model"]),
+        "prepared": PreparedData.read(inputs["prepared"]).fingerprint,
+    }
+
+
+@task(name="verifier", cache_policy=content_policy("verifier", _fingerprints), retries=2, retry_delay_seconds=[2, 10])
+def verifier_task(model: str, prepared: str, out: str) -> VerifierWeights:
+    """Read the target's embedding, final norm and lm_head (plus the draft-vocab rows)."""
+    m = extract_verifier(model, prepared, out)
+    get_run_logger().info("verifier: %s, tied=%s, tensors %s", m.architecture, m.tied_embeddings,
+                          {k: v.shape for k, v in m.tensors.items()})
+    return m

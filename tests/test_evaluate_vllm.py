@@ -1,0 +1,171 @@
+"""Eval, vLLM path: metric parsing on recorded `get_metrics()` records, the report on a fake LLM, the real thing where present."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from eagle3.eval_vllm import spec_counters, stats_between
+
+
+# The record types of vllm/v1/metrics/reader.py (same fields), as `LLM.get_metrics()` returns them.
+@dataclass
+class Metric:
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Vector(Metric):
+    values: list[int]
+
+
+@dataclass
+class Gauge(Metric):
+    value: float
+
+
+@dataclass
+class Histogram(Metric):
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+def recorded(drafts, accepted, per_pos, k=3, engine="0", model="m"):
+    lab = {"engine": engine, "model_name": model}
+    return [
+        Counter("vllm:spec_decode_num_drafts", dict(lab), drafts),
+        Counter("vllm:spec_decode_num_draft_tokens", dict(lab), drafts * k),
+        Counter("vllm:spec_decode_num_accepted_tokens", dict(lab), accepted),
+        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(lab), list(per_pos)),
+        Counter("vllm:generation_tokens", dict(lab), 999),
+        Gauge("vllm:num_requests_running", dict(lab), 1.0),
+        Histogram("vllm:spec_decode_acceptance_length", dict(lab), 4, 9.0, {"1.0": 1, "+Inf": 4}),
+    ]
+
+
+def test_spec_counters_sum_engines_and_delta():
+    before = spec_counters(recorded(2, 3, [2, 1, 0]))
+    assert before == {"drafts": 2, "draft_tokens": 6, "accepted": 3, "per_pos": [2, 1, 0]}
+    # two data-parallel engines: each label set is its own record, and they add up
+    after = spec_counters(recorded(10, 17, [8, 6, 3]) + recorded(5, 6, [4, 2, 0], engine="1"))
+    assert after == {"drafts": 15, "draft_tokens": 45, "accepted": 23, "per_pos": [12, 8, 3]}
+    s = stats_between(before, after, 3)
+    assert (s.drafts, s.accepted, s.per_pos) == (13, 20, [10, 7, 3])
+    assert s.tau == pytest.approx(1 + 20 / 13)
+    assert s.per_position == pytest.approx([10 / 13, 7 / 13, 3 / 13])
+    with pytest.raises(RuntimeError, match="expected k=4"):
+        stats_between(before, after, 4)
+    bad = dict(after, per_pos=[12, 8, 2])
+    with pytest.raises(RuntimeError, match="do not sum"):
+        stats_between(before, bad, 3)
+
+
+# ---------------------------------------------------------------- a fake vLLM, end to end
+def fake_vllm(tiny_llama_dir):
+    """`vllm.LLM` / `SamplingParams` on CPU: greedy with our HF target, speculative with our draft
+    loader + proposer, counters kept like vLLM's Prometheus registry (a new engine's logger
+    unregisters the old metrics, so the registry holds the newest engine's counters)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3.evaluate import DraftProposer, Stats, Target, eos_ids, greedy_generate, load_draft, speculative_generate
+
+    registry: dict[str, object] = {}
+
+    @dataclass
+    class SamplingParams:
+        temperature: float = 1.0
+        max_tokens: int = 16
+
+    class LLM:
+        def __init__(self, model, speculative_config=None, disable_log_stats=True, **kw):
+            assert kw.get("enable_prefix_caching") is False and not disable_log_stats
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+            self.eos = eos_ids(self.model, AutoTokenizer.from_pretrained(model))
+            self.spec = speculative_config
+            if speculative_config is not None:
+                assert speculative_config["method"] == "eagle3"
+                draft, _ = load_draft(speculative_config["model"], model, self.model.get_input_embeddings().weight)
+                self.k = speculative_config["num_speculative_tokens"]
+                self.proposer = DraftProposer(draft)
+                self.target = Target(self.model, draft.config.aux_layer_ids)
+            else:
+                self.target = Target(self.model)
+            registry.clear()
+            registry["stats"] = Stats(self.k) if self.spec else None
+
+        def generate(self, prompts, sp, use_tqdm=True):
+            assert sp.temperature == 0.0 and len(prompts) == 1
+            ids = prompts[0]["prompt_token_ids"]
+            if self.spec:
+                out = speculative_generate(self.target, self.proposer, ids, self.k, sp.max_tokens, self.eos,
+                                           registry["stats"])
+            else:
+                out = greedy_generate(self.target, ids, sp.max_tokens, self.eos)
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=tuple(out))])]
+
+        def get_metrics(self):
+            s = registry["stats"]
+            if s is None:
+                return [Gauge("vllm:num_requests_running", {}, 0.0)]
+            return recorded(s.drafts, s.accepted, s.per_pos, s.k)
+
+    mod = types.ModuleType("vllm")
+    mod.LLM, mod.SamplingParams = LLM, SamplingParams
+    return mod
+
+
+def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypatch):
+    from test_evaluate import random_draft, write_native
+
+    from eagle3.artifacts import EvalReport
+    from eagle3.eval_vllm import evaluate_vllm
+    from eagle3.evaluate import evaluate
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # latency-bound tiny model on a shared box (see test_evaluate.one_thread)
+    try:
+        monkeypatch.setitem(sys.modules, "vllm", fake_vllm(tiny_llama_dir))
+        draft = write_native(random_draft(tiny_llama_dir, seed=5), tmp_path / "final")
+        p = tmp_path / "p.jsonl"
+        p.write_text(json.dumps({"prompt": "Hi!"}) + "\n" + json.dumps({"turns": ["One.", "Two."]}) + "\n")
+        v = evaluate_vllm(tiny_llama_dir, draft, p, 2, tmp_path / "v", max_new_tokens=10)
+        h = evaluate(tiny_llama_dir, draft, p, 2, tmp_path / "h", max_new_tokens=10)
+    finally:
+        torch.set_num_threads(n)
+    assert v.backend == "vllm" and h.backend == "hf" and v.lossless and h.lossless
+    assert (v.num_drafts, v.num_accepted_tokens, v.generated_tokens) == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens)
+    assert v.acceptance_length == h.acceptance_length and v.per_position_acceptance == h.per_position_acceptance
+    assert v.num_turns == 3 and EvalReport.read(tmp_path / "v").fingerprint == v.fingerprint
+    r = json.loads((tmp_path / "v" / "report.json").read_text())
+    assert r["acceptance_length"] == v.acceptance_length and r["k"] == 2
+
+
+@pytest.mark.vllm
+def test_real_vllm_eval(smollm2_dir, tmp_path):
+    """On the GPU host: the real vLLM measures a random head on SmolLM2; tau in [1, k+1], lossless."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM eval needs a GPU")
+    from eagle3.eval_vllm import evaluate_vllm
+    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.train.export import export
+
+    d = Eagle3Draft(DraftConfig.from_target(smollm2_dir, 32000))
+    tid = torch.randperm(d.config.vocab_size)[:32000].sort().values
+    d.d2t.copy_(tid - torch.arange(32000))
+    d.t2d[tid] = True
+    draft = export(d.state_dict(), d.config, 3, tmp_path / "final")
+    m = evaluate_vllm(smollm2_dir, draft, "mt-bench", 3, tmp_path / "eval", max_new_tokens=32, limit=2)
+    assert 1.0 <= m.acceptance_length <= 4.0 and m.num_drafts > 0
+    assert len(m.per_position_acceptance) == 3
