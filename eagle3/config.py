@@ -41,6 +41,11 @@ class PrepareConfig(_Cfg):
         "'drop' skips the conversation",
     )
     batch_size: int = Field(256, ge=1, description="conversations per tokenizer batch call")
+    vocab_from: str | None = Field(
+        None,
+        description="reuse the draft vocab map of this prepared dir or vocab_map.safetensors instead of building "
+        "one (a warm start must keep the promoted draft's d2t/t2d)",
+    )
 
 
 class ExtractConfig(_Cfg):
@@ -100,6 +105,10 @@ class TrainConfig(_Cfg):
     export_format: Literal["vllm", "speculators"] = Field("vllm", description="layout of final/")
     threads: int | None = Field(None, ge=1, description="torch CPU threads per process (default: torch's)")
     nproc_per_node: int = Field(1, ge=1, description="training processes (torchrun) on this node: GPUs, or CPU ranks")
+    init_from: str | None = Field(
+        None, description="warm start: a draft dir (final/) whose weights initialize training; its d2t must equal "
+        "the verifier's vocab map",
+    )
 
 
 class PipelineConfig(_Cfg):

@@ -7,6 +7,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from eagle3.artifacts import PreparedData
+from eagle3.atomic import sha256_file
 from eagle3.config import PrepareConfig
 from eagle3.data.prepare import prepare, tokenizer_fingerprint
 from eagle3.data.readers import fingerprint_source, resolve_source
@@ -19,8 +20,15 @@ def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
         "format": PreparedData.format_version,
         "source": fingerprint_source(resolve_source(cfg.data)),
         "tokenizer": tokenizer_fingerprint(inputs["model"]),
-        "config": cfg.model_dump(mode="json", exclude={"data"}),
+        "config": cfg.model_dump(mode="json", exclude={"data", "vocab_from"}),
+        "vocab_from": vocab_fingerprint(cfg.vocab_from),
     }
+
+
+def vocab_fingerprint(vocab_from: str | None) -> str | None:
+    from eagle3.data.prepare import _vocab_path
+
+    return sha256_file(_vocab_path(vocab_from)) if vocab_from else None
 
 
 def counts_table(m: PreparedData) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.artifacts import HiddenStates, TrainedDraft, VerifierWeights
+from eagle3.atomic import sha256_file
 from eagle3.config import TrainConfig
 from eagle3.train.__main__ import torchrun_command
 from tasks._cache import content_policy
@@ -26,6 +27,7 @@ def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
         "hidden": HiddenStates.read(inputs["hidden"]).fingerprint,
         "verifier": VerifierWeights.read(inputs["verifier"]).fingerprint,
         "config": inputs["cfg"].model_dump(mode="json"),
+        "init_from": sha256_file(Path(inputs["cfg"].init_from) / "model.safetensors") if inputs["cfg"].init_from else None,
     }
 
 

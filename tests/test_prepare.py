@@ -210,3 +210,20 @@ def test_cli_bad_input_is_one_line_no_traceback(tmp_path, smollm2_dir):
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2
     assert r.stderr.startswith("eagle3 prepare: error:") and "Traceback" not in r.stderr
+
+
+def test_vocab_from_reuses_the_map_exactly(tmp_path, smollm2_dir):
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in GOOD[:20]))
+    a = prepare(smollm2_dir, tmp_path / "a", PrepareConfig(data=str(src), draft_vocab=64), progress=False)
+    src.write_text("\n".join(json.dumps(r) for r in GOOD))  # the data grew: counts change
+    b = prepare(smollm2_dir, tmp_path / "b", PrepareConfig(data=str(src), vocab_from=str(tmp_path / "a")),
+                progress=False)
+    da, ta = load_maps(tmp_path / "a" / "vocab_map.safetensors")
+    db, tb = load_maps(tmp_path / "b" / "vocab_map.safetensors")
+    assert torch.equal(da, db) and torch.equal(ta, tb)
+    assert b.vocab_map.draft_vocab_size == 64 and b.vocab_map.sha256 == a.vocab_map.sha256
+    assert 0 < b.vocab_map.coverage <= 1
+    with pytest.raises(ValueError, match="does not exist"):
+        prepare(smollm2_dir, tmp_path / "c", PrepareConfig(data=str(src), vocab_from=str(tmp_path / "nope")),
+                progress=False)

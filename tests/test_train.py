@@ -204,6 +204,28 @@ def test_speculators_export_layout(trained, tmp_path):
     assert {k: tuple(v.shape) for k, v in w.items()} == native
 
 
+def test_warm_start_loads_weights_and_keeps_the_vocab(trained, stages, tmp_path):
+    from eagle3.extract import open_store
+    from eagle3.train.checkpoint import BEST, CKPT_DIR
+    from eagle3.train.loop import build_draft
+    from eagle3.artifacts import HiddenStates
+
+    out, _ = trained
+    cfg = TrainConfig(ttt_steps=2, pack_tokens=192, threads=1, init_from=str(out / "final"))
+    d = build_draft(cfg, HiddenStates.read(stages / "hid"), stages / "ver")
+    best = load_file(out / CKPT_DIR / BEST / "model.safetensors")
+    assert all(torch.equal(d.state_dict()[k], best[k]) for k in best if k != "embed_tokens.weight")
+    bad = tmp_path / "other"
+    bad.mkdir()
+    w = load_file(out / "final" / "model.safetensors")
+    w["d2t"] = w["d2t"].roll(1)
+    from safetensors.torch import save_file
+
+    save_file(w, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="another draft vocab"):
+        build_draft(cfg.model_copy(update={"init_from": str(bad)}), HiddenStates.read(stages / "hid"), stages / "ver")
+
+
 def test_mismatched_checkpoint_is_refused(trained, stages):
     from eagle3.train.loop import train
 

@@ -25,7 +25,7 @@ from eagle3.config import DEFAULT_DRAFT_VOCAB, PrepareConfig
 from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
 from eagle3.data.template import ChatRenderer, Rendered
-from eagle3.data.vocab import build_maps, save_maps, select_draft_tokens
+from eagle3.data.vocab import build_maps, load_maps, save_maps, select_draft_tokens
 
 log = logging.getLogger("eagle3.prepare")
 
@@ -66,6 +66,14 @@ def load_tokenizer(model: str | Path):
         return AutoTokenizer.from_pretrained(str(d))
     except Exception as e:
         raise ValueError(f"{d}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
+
+
+def _vocab_path(src: str | Path) -> Path:
+    p = Path(src)
+    p = p / VOCAB_FILE if p.is_dir() else p
+    if not p.is_file():
+        raise ValueError(f"vocab_from: {p} does not exist")
+    return p
 
 
 def sample_id(ids: np.ndarray, mask: np.ndarray) -> str:
@@ -136,6 +144,8 @@ def prepare(
     model, out = Path(model), Path(out)
     src = resolve_source(cfg.data)
     inputs = {"source": fingerprint_source(src), "tokenizer": tokenizer_fingerprint(model)}
+    if cfg.vocab_from:
+        inputs["vocab_from"] = sha256_file(_vocab_path(cfg.vocab_from))
     config = cfg.model_dump(mode="json")
     if (out / MANIFEST).is_file():
         try:
@@ -251,8 +261,15 @@ def prepare(
             f"examples: {examples}"
         )
 
-    target_ids = select_draft_tokens(counts, draft_vocab)
-    d2t, t2d = build_maps(target_ids, V)
+    if cfg.vocab_from:
+        d2t, t2d = load_maps(_vocab_path(cfg.vocab_from))
+        if len(t2d) != V:
+            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-token vocab, this tokenizer has {V}")
+        target_ids = t2d.nonzero().flatten().numpy()
+        draft_vocab = len(target_ids)
+    else:
+        target_ids = select_draft_tokens(counts, draft_vocab)
+        d2t, t2d = build_maps(target_ids, V)
     save_maps(out / VOCAB_FILE, d2t, t2d)
     total = int(counts.sum())
     coverage = float(counts[target_ids].sum() / total) if total else 0.0

@@ -66,7 +66,32 @@ def build_draft(cfg: TrainConfig, hidden: HiddenStates, verifier_dir: Path) -> E
         norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output, norm_before_residual=cfg.norm_before_residual,
     )
     torch.manual_seed(cfg.seed)  # same init on every rank and every rerun
-    return Eagle3Draft.from_verifier(dcfg, verifier_dir)
+    draft = Eagle3Draft.from_verifier(dcfg, verifier_dir)
+    if cfg.init_from:
+        warm_start(draft, Path(cfg.init_from))
+    return draft
+
+
+def warm_start(draft: Eagle3Draft, src: Path) -> None:
+    """Initialize from an exported draft (final/). The vocab map is never rebuilt: the source's d2t
+    must equal the one this run trains with (prepare with `vocab_from` the promoted run)."""
+    from safetensors.torch import load_file
+
+    path = src / "model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"init_from: {path} does not exist (expected an exported draft dir, e.g. <train>/final)")
+    w = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in load_file(str(path)).items()}
+    if "d2t" not in w or not torch.equal(w["d2t"], draft.d2t):
+        raise ValueError(f"init_from: {src} was trained with another draft vocab (d2t differs); a warm start keeps "
+                         "the vocab map fixed: prepare with vocab_from=<the promoted run's prepare dir>")
+    own = draft.state_dict()
+    bad = [k for k, v in w.items() if k in own and own[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"init_from: {src} has other shapes for {bad[:4]}: a draft of another config")
+    missing = [k for k in own if k not in w and k not in ("embed_tokens.weight", "t2d")]
+    if missing:
+        raise ValueError(f"init_from: {src} lacks {missing[:4]} (norm_before_fc / norm_output settings differ?)")
+    draft.load_state_dict({k: v for k, v in w.items() if k in own}, strict=False)
 
 
 def lr_lambda(cfg: TrainConfig, total: int):
@@ -121,6 +146,10 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     hidden = HiddenStates.read(hidden_dir)
     ver = VerifierWeights.read(verifier_dir)
     inputs = {"hidden_states": hidden.fingerprint, "verifier": ver.fingerprint}
+    if cfg.init_from:
+        from eagle3.atomic import sha256_file
+
+        inputs["init_from"] = sha256_file(Path(cfg.init_from) / "model.safetensors")
     config = cfg.model_dump(mode="json")
     if d.main and TrainedDraft.exists(out):
         done = TrainedDraft.read(out)
