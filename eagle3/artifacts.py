@@ -269,3 +269,43 @@ class EvalReport(StageManifest):
 
     def _content(self) -> dict[str, Any]:
         return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", *self.volatile, *self.TIMINGS})
+
+
+class RegeneratedData(StageManifest):
+    """Output of `eagle3 regenerate`: `regenerated.jsonl`, the source conversations with every assistant
+    turn rewritten by the target (OpenAI `messages` form, read by `prepare`), one record per line, each
+    with its provenance (source record id, model fingerprint, generation settings, reuse key).
+
+    The fingerprint covers the inputs, the settings and the file's sha256; run statistics (tok/s,
+    records reused or resumed) vary between equivalent runs and stay out of it.
+    """
+
+    stage: ClassVar[str] = "regenerate"
+    format_version: ClassVar[int] = 1
+    volatile: ClassVar[set[str]] = {"model_dir", "source"}
+
+    model_dir: str = ""
+    model_fingerprint: str = Field("", description="sha256 over weights, config, tokenizer/template, generation config")
+    source: str = ""
+    source_fingerprint: str = ""
+    backend: str = "hf"
+    settings: dict[str, Any] = Field(default_factory=dict, description="what changes the text (provenance)")
+    file: str = "regenerated.jsonl"
+    sha256: str = ""
+    records_read: int = 0
+    records_written: int = 0
+    skipped: dict[str, int] = Field(default_factory=dict, description="reason -> count")
+    skip_examples: dict[str, list[str]] = Field(default_factory=dict, description="reason -> first record ids + detail")
+    turns_written: int = Field(0, description="assistant turns in the output")
+    turns_cut: int = Field(0, description="turns that hit max_new_tokens (kept, unfinished)")
+    conversations_shortened: int = Field(0, description="conversations ended early (context full or empty answer)")
+    samples: list[dict[str, Any]] = Field(default_factory=list, description="first records: original vs regenerated")
+    stats: dict[str, Any] = Field(
+        default_factory=dict, description="run statistics (tok/s, reused, resumed); not part of the fingerprint"
+    )
+
+    def _content(self) -> dict[str, Any]:
+        c = self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "stats", *self.volatile})
+        c["config"] = {k: v for k, v in c["config"].items()
+                       if k not in ("chunk_records", "batch_size", "tensor_parallel_size", "gpu_memory_utilization")}
+        return c

@@ -81,6 +81,7 @@ def _add_run(sub) -> None:
     p = sub.add_parser("run", help="run the whole pipeline as a Prefect flow (embedded Prefect, no server needed)")
     p.add_argument("--config", required=True, help="PipelineConfig as YAML or JSON")
     p.add_argument("--run-dir", default=None, help="override the config's run_dir")
+    p.add_argument("--dry-run", action="store_true", help="print the preflight estimate (disk, memory) and exit")
     p.set_defaults(func=_cmd_run)
 
 
@@ -90,6 +91,13 @@ def _cmd_run(a) -> None:
     cfg = PipelineConfig.from_file(a.config)
     if a.run_dir:
         cfg = cfg.model_copy(update={"run_dir": a.run_dir})
+    if a.dry_run:
+        from eagle3.preflight import plan
+
+        p = plan(cfg)
+        print(f"preflight for {a.config}: ~{p.tokens:,} tokens\n{p.table()}")
+        print("\n".join(f"PROBLEM: {x}" for x in p.problems) or "OK: every remaining stage fits")
+        return
     # With no PREFECT_API_URL Prefect starts a temporary local server; it needs ~18 s cold
     # here, against a 20 s default timeout (REFERENCE §3).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
@@ -177,6 +185,8 @@ def _add_eval(sub) -> None:
                    help="hf: chain decoding here (any machine); vllm: vLLM's own metrics (GPU host)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                    help="vllm: per engine (the target-only and the speculative engine share the GPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="hf: torch CPU threads (default torch's); 1 is fastest on a loaded shared CPU")
     p.set_defaults(func=_cmd_eval)
 
 
@@ -184,7 +194,8 @@ def _cmd_eval(a) -> None:
     from eagle3.config import EvalConfig
 
     EvalConfig(prompts=a.prompts, k=a.k, max_new_tokens=a.max_new_tokens, limit=a.limit,
-               backend=a.backend, gpu_memory_utilization=a.gpu_memory_utilization)  # bounds -> ValueError
+               backend=a.backend, gpu_memory_utilization=a.gpu_memory_utilization,
+               threads=a.threads)  # bounds -> ValueError
     if a.backend == "vllm":
         from eagle3.eval_vllm import evaluate_vllm
 
@@ -196,7 +207,8 @@ def _cmd_eval(a) -> None:
         def progress(i: int, n: int) -> None:
             print(f"eval: {i}/{n} prompts", file=sys.stderr, flush=True)
 
-        m = evaluate(a.model, a.draft, a.prompts, a.k, a.out, a.max_new_tokens, a.limit, progress=progress)
+        m = evaluate(a.model, a.draft, a.prompts, a.k, a.out, a.max_new_tokens, a.limit, progress=progress,
+                     threads=a.threads)
     print(json.dumps({"out": a.out, "draft_format": m.draft_format, "k": m.k, "num_prompts": m.num_prompts,
                       "acceptance_length": round(m.acceptance_length, 4),
                       "per_position_acceptance": [round(x, 4) for x in m.per_position_acceptance],

@@ -111,6 +111,22 @@ class TrainConfig(_Cfg):
     )
 
 
+class TargetPlan(_Cfg):
+    """The target's shape, for planning (preflight) a run whose model dir is not on this machine yet.
+    When the model dir exists its config.json is read instead."""
+
+    hidden_size: int = Field(ge=1, description="H")
+    num_hidden_layers: int = Field(ge=1, description="N decoder layers")
+    vocab_size: int = Field(ge=1, description="V")
+    intermediate_size: int = Field(ge=1, description="dense MLP width (the draft layer copies it)")
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    num_parameters: float = Field(gt=0, description="total parameters (vLLM weight memory)")
+    active_parameters: float | None = Field(None, gt=0, description="parameters used per token (MoE); default all")
+    weight_bytes: float = Field(2.0, gt=0, description="bytes per stored weight (2 = bf16, 1 = fp8)")
+
+
 class PipelineConfig(_Cfg):
     """The whole run: where the target is, where outputs go, and each stage's settings."""
 
@@ -119,7 +135,13 @@ class PipelineConfig(_Cfg):
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    target: TargetPlan | None = Field(None, description="target shape for preflight when `model` is not local")
+    gpu_memory_gib: float = Field(141.0, gt=0, description="memory of one GPU on the extraction host (H200: 141)")
     eval: "EvalConfig" = Field(default_factory=lambda: EvalConfig())
+    regenerate: "RegenConfig | None" = Field(
+        None, description="optional first stage: regenerate the assistant turns of `prepare.data` with the target; "
+        "prepare then reads the regenerated JSONL",
+    )
 
     def stage_dir(self, stage: str) -> Path:
         return Path(self.run_dir) / stage
@@ -154,6 +176,48 @@ class EvalConfig(_Cfg):
     gpu_memory_utilization: float = Field(
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
     )
+    threads: int | None = Field(
+        None, ge=1, description="hf: torch CPU threads (default: torch's); 1 is fastest on a loaded shared CPU"
+    )
+
+
+class RegenConfig(_Cfg):
+    """Stage 0 (optional): rewrite every assistant turn with the target itself, so the draft learns the
+    target's own continuations. Output: JSONL in the `messages` form that `prepare` reads."""
+
+    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (batched transformers, CPU or GPU) or 'vllm' (GPU host)")
+    max_new_tokens: int = Field(1024, ge=1, le=1 << 16, description="tokens generated per assistant turn at most")
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy (default); > 0 samples with `seed`")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass (only with temperature > 0)")
+    seed: int = Field(0, ge=0, description="sampling seed; each (conversation, turn) draws from its own stream")
+    reasoning: Literal["keep", "drop"] = Field(
+        "keep", description="'drop' removes <think>...</think> blocks from regenerated turns (and so from the history)"
+    )
+    max_len: int | None = Field(
+        None, ge=16, description="prompt + answer tokens at most; a turn that would not fit ends the conversation "
+        "there (default: the model's max_position_embeddings)",
+    )
+    limit: int | None = Field(None, ge=1, description="regenerate only the first N records of the source")
+    same_role: Literal["merge", "drop"] = Field("merge", description="as in prepare: consecutive same-role turns")
+    chunk_records: int = Field(64, ge=1, description="records per committed chunk (the resume unit)")
+    batch_size: int = Field(8, ge=1, description="hf: sequences decoded together")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="hf: auto = fp32 on CPU (faster there), bf16 on CUDA; vllm: auto = bf16"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm: TP size")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vllm: gpu_memory_utilization")
+
+    def settings(self, dtype: str, max_len: int) -> dict:
+        """What changes the regenerated text: part of every record's provenance and reuse key.
+
+        `dtype`/`max_len` are the resolved values. The seed only matters when sampling; batch and
+        chunk sizes are left out (greedy output does not depend on them, see eagle3/regenerate.py).
+        """
+        return {
+            "backend": self.backend, "dtype": dtype, "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature, "top_p": self.top_p if self.temperature > 0 else 1.0,
+            "seed": self.seed if self.temperature > 0 else None, "reasoning": self.reasoning, "max_len": max_len,
+        }
 
 
 PipelineConfig.model_rebuild()

@@ -723,12 +723,20 @@ def evaluate(
     limit: int | None = None,
     device: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    threads: int | None = None,
 ):
-    """`eagle3 eval` (HF backend): measure a draft head; write report.json, acceptance.png, manifest.json."""
+    """`eagle3 eval` (HF backend): measure a draft head; write report.json, acceptance.png, manifest.json.
+
+    `threads` sets torch's CPU threads for the process. Decoding at batch size 1 is latency-bound:
+    on a shared, loaded CPU, OpenMP threads spin against other processes (SmolLM2 here: one
+    MT-Bench prompt took ~35 s at 1 thread and ~4 min at 2).
+    """
     from eagle3.artifacts import EvalReport
     from eagle3.config import EvalConfig
 
-    cfg = EvalConfig(prompts=str(prompts), k=k, max_new_tokens=max_new_tokens, limit=limit)
+    cfg = EvalConfig(prompts=str(prompts), k=k, max_new_tokens=max_new_tokens, limit=limit, threads=threads)
+    if threads:
+        torch.set_num_threads(threads)
     convs, prompts_fp = load_prompts(prompts, limit)
     model, tok = load_target(model_dir, device)
     draft, fmt = load_draft(draft_dir, model_dir, model.get_input_embeddings().weight)

@@ -4,38 +4,52 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from eagle3.artifacts import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+from eagle3.artifacts import EvalReport
 from eagle3.config import PipelineConfig
-from tasks.evaluate import eval_task, results_table
-from tasks.extract import extract_task, stats_table
-from tasks.prepare import counts_table, prepare_task
-from tasks.train import metrics_table, train_task
-from tasks.verifier import verifier_task
-
-
-def _fresh(task, manifest_cls, out):
-    """A cached result whose output dir is gone must rerun, not return a dangling manifest."""
-    return task if manifest_cls.exists(out) else task.with_options(refresh_cache=True)
+from flows.stages import run_stage
+from tasks.evaluate import results_table
+from tasks.extract import stats_table
+from tasks.prepare import counts_table
+from tasks.train import metrics_table
 
 
 @flow(name="eagle3-pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, str]:
     """Train an EAGLE-3 draft for `config.model` from chat data, then measure it."""
-    model, d = str(config.model), {s: str(config.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train", "eval")}
+    d, _ = run_stages(config)
+    return d
 
-    prepared = _fresh(prepare_task, PreparedData, d["prepare"])(model, d["prepare"], config.prepare)
-    hidden = _fresh(extract_task, HiddenStates, d["extract"])(model, d["prepare"], d["extract"], config.extract,
-                                                              wait_for=[prepared])
-    verifier = _fresh(verifier_task, VerifierWeights, d["verifier"])(model, d["prepare"], d["verifier"],
-                                                                     wait_for=[prepared])
-    trained = _fresh(train_task, TrainedDraft, d["train"])(d["extract"], d["verifier"], d["train"], config.train,
-                                                           model, wait_for=[hidden, verifier])
+
+def run_stages(config: PipelineConfig, reuse: list[str] | None = None) -> tuple[dict[str, str], EvalReport]:
+    """Preflight, the five stages in order, the run summary; `reuse`: earlier extract dirs (incremental runs)."""
+    model, d = str(config.model), {s: str(config.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train", "eval")}
+    preflight(config)
+
+    # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/stages.py); else run here.
+    prepared = run_stage("prepare", d["prepare"], model=model, cfg=config.prepare)
+    hidden = run_stage("extract", d["extract"], model=model, prepared=d["prepare"], cfg=config.extract,
+                       reuse=reuse, wait_for=[prepared])
+    verifier = run_stage("verifier", d["verifier"], model=model, prepared=d["prepare"], wait_for=[prepared])
+    trained = run_stage("train", d["train"], hidden=d["extract"], verifier=d["verifier"], cfg=config.train,
+                        verifier_name=model, wait_for=[hidden, verifier])
     final = f"{d['train']}/{trained.final_dir}"
-    report = _fresh(eval_task, EvalReport, d["eval"])(model, final, d["eval"], config.eval)
+    report = run_stage("eval", d["eval"], model=model, draft=final, cfg=config.eval)
 
     # Per-run summary lives in the flow: a cached task does not re-create its artifacts.
     summarize(config, d, prepared, hidden, verifier, trained, report)
-    return {**d, "final": final}
+    return {**d, "final": final}, report
+
+
+def preflight(config: PipelineConfig) -> None:
+    """Refuse to start a run that cannot finish; show the estimate as an artifact either way."""
+    from eagle3.preflight import PreflightError, plan
+
+    p = plan(config)
+    create_markdown_artifact(f"# eagle3 preflight\n\n~{p.tokens:,} tokens\n\n{p.table()}\n\n"
+                             + ("\n".join(f"- **{x}**" for x in p.problems) or "Every remaining stage fits."),
+                             key="eagle3-preflight", description="eagle3 preflight: disk and memory estimate")
+    if p.problems:
+        raise PreflightError("preflight: this run cannot finish:\n- " + "\n- ".join(p.problems))
 
 
 def summarize(config, d, prepared, hidden, verifier, trained, report) -> None:

@@ -73,7 +73,7 @@ def eval_task(model: str, draft: str, out: str, cfg: EvalConfig) -> EvalReport:
         from eagle3.evaluate import evaluate
 
         m = evaluate(model, draft, cfg.prompts, cfg.k, out, cfg.max_new_tokens, cfg.limit,
-                     progress=lambda i, n: log.info("eval: %d/%d prompts", i, n))
+                     progress=lambda i, n: log.info("eval: %d/%d prompts", i, n), threads=cfg.threads)
     log.info("eval: tau %.3f at k=%d, lossless %s, %.2f tok/s, speedup %.3fx over greedy",
              m.acceptance_length, m.k, m.lossless, m.tokens_per_second, m.speedup_vs_target)
     create_table_artifact(results_table(m), key="eval-results", description="eagle3 eval: tau, speed, lossless")

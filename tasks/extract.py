@@ -13,6 +13,8 @@ from eagle3.extract import model_fingerprint, resolve_layer_ids, run_extract
 from eagle3.extract.run import model_shape
 from eagle3.extract.store import FORMAT_VERSION
 from tasks._cache import content_policy
+from tasks._faults import fail_once
+from tasks._gpus import hold_gpus
 
 
 def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -66,8 +68,11 @@ def extract_task(
         if total and (now - last[0] > 5 or done == total):
             last[0] = now
             update_progress_artifact(art, 100.0 * done / total)
+        if done >= total / 2:
+            fail_once("extract")  # a drill, when EAGLE3_FAIL_ONCE asks for one
 
-    m = run_extract(model, prepared, out, cfg, reuse=reuse or [], progress=progress, show_progress=False)
+    with hold_gpus():
+        m = run_extract(model, prepared, out, cfg, reuse=reuse or [], progress=progress, show_progress=False)
     update_progress_artifact(art, 100.0)
     log.info("extract: %d samples, %d tokens in %d shards (%s resumed); %s tok/s; %.1f bytes/token",
              m.num_samples, m.num_tokens, len(m.shards), m.stats.get("shards_skipped"),

@@ -19,6 +19,7 @@ from eagle3.atomic import sha256_file
 from eagle3.config import TrainConfig
 from eagle3.train.__main__ import torchrun_command
 from tasks._cache import content_policy
+from tasks._gpus import hold_gpus
 
 
 def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +101,8 @@ def summary_markdown(m: TrainedDraft, out: str) -> str:
 def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "") -> TrainedDraft:
     """Train the draft under torchrun; a retry resumes from the last checkpoint."""
     log = get_run_logger()
-    run_streamed(train_command(hidden, verifier, out, cfg, verifier_name), log)
+    with hold_gpus():
+        run_streamed(train_command(hidden, verifier, out, cfg, verifier_name), log)
     m = TrainedDraft.read(out)
     create_table_artifact(metrics_table(m), key="train-metrics", description="eagle3 train: validation metrics")
     create_markdown_artifact(summary_markdown(m, out), key="train-summary", description="eagle3 train: summary")

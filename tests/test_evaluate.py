@@ -347,7 +347,7 @@ def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
     p.write_text(json.dumps({"prompt": "Say something."}) + "\n" + json.dumps({"prompt": "Count to five."}) + "\n")
     out = tmp_path / "eval"
     rc = main(["eval", "--model", str(tiny_llama_dir), "--draft", str(draft), "--prompts", str(p),
-               "--k", "2", "--max-new-tokens", "8", "--out", str(out)])
+               "--k", "2", "--max-new-tokens", "8", "--threads", "1", "--out", str(out)])
     assert rc == 0
     r = json.loads((out / "report.json").read_text())
     for key in ("acceptance_length", "per_position_acceptance", "k", "num_prompts", "lossless",
@@ -361,6 +361,7 @@ def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
     m = EvalReport.read(out)
     assert m.acceptance_length == r["acceptance_length"] and m.lossless and m.draft_format == "vllm"
     assert set(m.inputs) == {"model", "draft", "prompts"} and m.plot_file == "acceptance.png"
+    assert m.config["k"] == 2 and m.config["threads"] == 1 and m.config["max_new_tokens"] == 8
     # a user error is one line, exit 2
     assert main(["eval", "--model", str(tiny_llama_dir), "--draft", str(tmp_path), "--prompts", str(p),
                  "--k", "2", "--out", str(tmp_path / "e2")]) == 2

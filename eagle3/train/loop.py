@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from eagle3.train import distributed as dist
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
 from eagle3.train.export import export
 from eagle3.train.loss import TargetHead, step_weights, ttt_loss
-from eagle3.train.metrics import Meter, chain_acceptance, plot_curves
+from eagle3.train.metrics import Meter, TensorBoard, chain_acceptance, plot_curves
 
 log = logging.getLogger("eagle3.train")
 METRICS = "metrics.jsonl"
@@ -202,6 +203,11 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(metrics_path, pos.step)
+    tb = TensorBoard(out, d.main)
+
+    def emit(rec: dict[str, Any]) -> None:
+        _log_metrics(metrics_path, rec)
+        tb.log(rec)
 
     def save(tag: str) -> None:
         sd = dist.full_state_dict(model if cfg.fsdp else draft)
@@ -223,7 +229,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         if not v:
             return
         if d.main:
-            _log_metrics(metrics_path, {"split": "val", "step": pos.step, "epoch": pos.epoch, **v})
+            emit({"split": "val", "step": pos.step, "epoch": pos.epoch, **v})
             log.info("val step %d: loss %.4f acc %s sim tau %.3f", pos.step, v["loss"],
                      [round(a, 3) for a in v["acc"]], v["sim_tau"])
         if v["sim_tau"] > best["tau"]:
@@ -232,8 +238,11 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, initial=pos.step, unit="step", desc="train", disable=not (progress and d.main),
+    # A bar on a terminal; under torchrun-in-Prefect (no TTY) one log line per log step instead.
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=total, initial=pos.step, unit="step", desc="train", disable=not (progress and d.main and tty),
                dynamic_ncols=True, mininterval=2.0)
+    t_start, step_start = time.perf_counter(), pos.step
     window = Meter(cfg.ttt_steps)
     t_win = time.perf_counter()
     model.train()
@@ -261,8 +270,13 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                 rec = {"split": "train", "step": pos.step, "epoch": pos.epoch, "lr": sched.get_last_lr()[0],
                        "grad_norm": float(gnorm), "tokens_per_s": w["tokens"] / max(dt, 1e-9), **w}
                 if d.main:
-                    _log_metrics(metrics_path, rec)
+                    emit(rec)
                     bar.set_postfix_str(f"loss {w['loss']:.3f} acc0 {w['acc'][0]:.3f} {rec['tokens_per_s']:,.0f} tok/s")
+                    if not tty:
+                        rate = (pos.step - step_start) / max(time.perf_counter() - t_start, 1e-9)
+                        log.info("train step %d/%d  loss %.4f  acc %s  %.0f tok/s  ETA %s", pos.step, total, w["loss"],
+                                 [round(x, 3) for x in w["acc"]], rec["tokens_per_s"],
+                                 _eta((total - pos.step) / max(rate, 1e-9)))
                 window, t_win = Meter(cfg.ttt_steps), time.perf_counter()
             if pos.step % cfg.val_every == 0:
                 run_validation()
@@ -276,6 +290,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     if last_val != pos.step:
         run_validation()  # a run that stopped mid-epoch on max_steps, or a resumed finished run
     save(f"step-{pos.step:08d}")
+    tb.close()
 
     result = None
     if d.main:
@@ -296,6 +311,12 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                  best["step"], out / FINAL)
     dist.shutdown()
     return result
+
+
+def _eta(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"
 
 
 def last_step_dir(out: Path) -> Path:

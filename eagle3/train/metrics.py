@@ -113,3 +113,32 @@ def plot_curves(metrics: Path, png: Path) -> Path | None:
     fig.savefig(png, dpi=90)
     plt.close(fig)
     return png
+
+
+class TensorBoard:
+    """TensorBoard event files under <out>/tb when `tensorboard` is installed; a no-op otherwise."""
+
+    def __init__(self, out: Path, enabled: bool):
+        self.w = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional: metrics.jsonl and curves.png always exist
+                return
+            self.w = SummaryWriter(str(out / "tb"))
+
+    def log(self, rec: dict[str, Any]) -> None:
+        if self.w is None:
+            return
+        split, step = rec["split"], rec["step"]
+        for key, v in rec.items():
+            if isinstance(v, (int, float)) and key not in ("step", "epoch"):
+                self.w.add_scalar(f"{split}/{key}", v, step)
+            elif isinstance(v, list):
+                for j, x in enumerate(v):
+                    self.w.add_scalar(f"{split}/{key}_{j}", x, step)
+        self.w.flush()
+
+    def close(self) -> None:
+        if self.w is not None:
+            self.w.close()

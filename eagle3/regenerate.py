@@ -1,0 +1,616 @@
+"""`eagle3 regenerate`: rewrite every assistant turn of a chat dataset with the target model itself.
+
+A draft learns to predict the *target's* continuations; ShareGPT's answers were written by other
+models, so a head trained on them learns the wrong distribution (SpecForge, ModelOpt and
+ArcticTraining all ship this step). For each conversation the user (and system) turns are kept and
+assistant turn i is generated from the target's chat template over the *regenerated* history
+[system, u_1, a'_1, ..., u_i] -- the history the target would really see when serving.
+
+Scheduling: conversations are read in chunks of `chunk_records`. Within a chunk, turn 1 of every
+conversation is generated as one wave, then turn 2 of those that have one, and so on; a backend
+batches a wave however it likes (hf: length-sorted batches of `batch_size` with a KV cache; vllm:
+one `LLM.generate` call, continuous batching inside).
+
+Output `regenerated.jsonl`: one line per kept record, in source order:
+    {"id": <source id>, "messages": [{"role", "content"}, ...],
+     "provenance": {"source_id", "source_index", "model", "settings", "key",
+                    "turns": [{"tokens": n, "finish": "stop"|"length"}, ...]}}
+
+Resume: after each chunk its lines are appended and fsynced, then `progress.json` (byte length
+of the committed file, records read, counters) is replaced atomically. A restart truncates the
+file to the committed length and continues at the next chunk; chunk boundaries depend only on
+the source order, so a resumed run writes the same bytes as an uninterrupted one.
+
+Reuse: each record's key is sha256(model fingerprint, settings, its system + user turns). Lines
+of earlier outputs (`reuse=` dirs, and this dir's own previous file when the source or limit
+changed) with the same key are copied instead of regenerated; only id/source fields are
+rewritten. So a nightly dataset that grew by 5% costs about 5% of a full regeneration.
+
+Exactness (hf): greedy output of a sequence in a left-padded batch is the same computation as
+alone, but not the same floating-point reductions (padded attention, other GEMM shapes), so a
+near-tie argmax can flip. `tests/test_regenerate.py` measures this against
+`model.generate(do_sample=False)` one record at a time; `batch_size=1` is exact by construction.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from eagle3.artifacts import MANIFEST, RegeneratedData
+from eagle3.atomic import atomic_write_json, clean_temp_files, fsync_dir, sha256_file, sha256_json
+from eagle3.config import RegenConfig
+from eagle3.data.normalize import Skip, normalize
+from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
+
+log = logging.getLogger("eagle3.regenerate")
+
+OUT_FILE = "regenerated.jsonl"
+PROGRESS = "progress.json"
+PREVIOUS = ".previous.jsonl"  # this dir's earlier output, kept as a reuse source until the run ends
+FORMAT = 1  # of the JSONL records and of progress.json
+_EXAMPLES = 3  # record ids kept per skip reason
+_SAMPLES = 3  # records shown side by side in the manifest
+_SAMPLE_CHARS = 600
+_THINK = re.compile(r"<think>.*?(</think>|\Z)", re.S)  # an unclosed block (cut by max_new_tokens) runs to the end
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+# ================================================================ backends
+@dataclass
+class Gen:
+    """One finished generation: token ids without the stop token, and why it ended."""
+
+    ids: list[int]
+    finish: str  # "stop" (a stop token) or "length" (max_new_tokens)
+
+
+class Generator(Protocol):
+    """What the driver asks of a backend: one answer per token-id prompt, in prompt order."""
+
+    name: str
+    dtype: str
+
+    def generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[Gen]:
+        ...
+
+
+def _finish(ids: list[int], eos: set[int], max_new: int) -> Gen:
+    """Cut after the first stop token (dropped) or at max_new tokens."""
+    for i, t in enumerate(ids[:max_new]):
+        if t in eos:
+            return Gen(ids[:i], "stop")
+    return Gen(ids[:max_new], "length")
+
+
+class HFGenerator:
+    """Batched decoding with transformers and a KV cache: left-padded batches, rows dropped as they finish.
+
+    Greedy (temperature 0) takes the argmax, as `generate(do_sample=False)` does. Sampling draws each
+    row from its own torch.Generator seeded per (record, turn), so a row's tokens do not depend on
+    which other rows share its batch.
+    """
+
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module, eos: set[int], cfg: RegenConfig, pad_id: int):
+        self.model, self.eos, self.cfg, self.pad = model, set(eos), cfg, pad_id
+        p = next(model.parameters())
+        self.device = p.device
+        self.dtype = str(p.dtype).removeprefix("torch.")
+        self.tokens = 0  # generated, for tok/s
+
+    def generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[Gen]:
+        # Longest first and similar lengths together: little padding, and the largest KV cache early.
+        order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+        out: list[Gen | None] = [None] * len(prompts)
+        b = self.cfg.batch_size
+        for s in range(0, len(order), b):
+            idx = order[s : s + b]
+            for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx])):
+                out[i] = g
+        return out  # type: ignore[return-value]
+
+    def _pick(self, logits: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
+        """Next token per row. logits [b, V] -> ids [b]."""
+        if self.cfg.temperature == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / self.cfg.temperature, -1)  # [b, V]
+        if self.cfg.top_p < 1.0:
+            p, ix = probs.sort(-1, descending=True)
+            keep = p.cumsum(-1) - p < self.cfg.top_p  # the smallest prefix whose mass reaches top_p
+            probs = torch.zeros_like(probs).scatter(-1, ix, p * keep)
+        return torch.stack([torch.multinomial(probs[r].cpu(), 1, generator=g)[0] for r, g in enumerate(gens)]).to(
+            logits.device
+        )
+
+    @torch.inference_mode()
+    def _batch(self, prompts: list[list[int]], seeds: list[int]) -> list[Gen]:
+        from transformers import DynamicCache
+
+        B, L, dev = len(prompts), max(map(len, prompts)), self.device
+        ids = torch.full((B, L), self.pad, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for r, p in enumerate(prompts):  # left padding: every row's last prompt token sits at column L-1
+            ids[r, L - len(p) :] = torch.tensor(p)
+            mask[r, L - len(p) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]: real positions start at 0 after the padding
+        gens = [torch.Generator().manual_seed(s) if self.cfg.temperature > 0 else None for s in seeds]
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        last = pos[:, -1]  # [B] position of each row's newest token
+        rows = list(range(B))  # batch row -> prompt index, for rows still running
+        out: list[list[int]] = [[] for _ in range(B)]
+        done: list[Gen | None] = [None] * B
+        max_new = self.cfg.max_new_tokens
+        while rows:
+            nxt = self._pick(logits, [gens[i] for i in rows]).tolist()  # [b]
+            keep = []
+            for r, (i, t) in enumerate(zip(rows, nxt)):
+                out[i].append(t)
+                self.tokens += 1
+                if t in self.eos or len(out[i]) >= max_new:
+                    done[i] = _finish(out[i], self.eos, max_new)
+                else:
+                    keep.append(r)
+            if not keep:
+                break
+            if len(keep) < len(rows):  # finished rows leave the batch (and the cache)
+                k = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(k)
+                mask, last = mask[k], last[k]
+                rows = [rows[r] for r in keep]
+                nxt = [nxt[r] for r in keep]
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)  # [b, L + t]
+            last = last + 1
+            logits = self.model(input_ids=torch.tensor(nxt, device=dev)[:, None], attention_mask=mask,
+                                position_ids=last[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        return done  # type: ignore[return-value]
+
+
+def resolve_dtype(cfg: RegenConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 is faster on CPU (REFERENCE §4)
+
+
+def load_hf(model_dir: str | Path, cfg: RegenConfig, device: str | None = None) -> tuple[HFGenerator, Any]:
+    """(HFGenerator, tokenizer) for the target in `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.data.prepare import load_tokenizer
+    from eagle3.evaluate import eos_ids
+
+    tok = load_tokenizer(model_dir)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(cfg, dev)).to(dev).eval()
+    eos = eos_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+    return HFGenerator(model, eos, cfg, pad), tok
+
+
+def stop_ids(model_dir: str | Path, tok) -> set[int]:
+    """The stop ids as `eagle3.evaluate.eos_ids` finds them, read from the json files (no weights loaded)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        p = Path(model_dir) / name
+        if p.is_file():
+            e = json.loads(p.read_text()).get("eos_token_id")
+            ids |= set(e if isinstance(e, list) else [e] if e is not None else [])
+    if tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    return ids
+
+
+# ================================================================ records
+def render(tok, msgs: list[dict[str, str]]) -> list[int]:
+    """Chat-template token ids of `msgs` plus the generation prompt (as the target is served)."""
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def target_fingerprint(model_dir: str | Path) -> str:
+    """Everything of the target that changes its answers: weights + config, tokenizer + chat template,
+    generation config (stop ids)."""
+    from eagle3.data.prepare import tokenizer_fingerprint
+    from eagle3.extract.run import model_fingerprint
+
+    gc = Path(model_dir) / "generation_config.json"
+    return sha256_json({"model": model_fingerprint(model_dir), "tokenizer": tokenizer_fingerprint(model_dir),
+                        "generation_config": sha256_file(gc) if gc.is_file() else None})
+
+
+def record_key(model_fp: str, settings: dict[str, Any], msgs: list[dict[str, str]]) -> str:
+    """Reuse key: the target, the settings and the prompt side of the conversation (assistant text excluded)."""
+    prompt_side = [(m["role"], m["content"] if m["role"] != "assistant" else None) for m in msgs]
+    return sha256_json({"model": model_fp, "settings": settings, "turns": prompt_side})
+
+
+def turn_seed(seed: int, key: str, turn: int) -> int:
+    """A sampling seed per (record, turn): the same record gets the same draws in any batch or run."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}:{turn}".encode()).digest()[:7], "big")
+
+
+def clean_answer(text: str, reasoning: str) -> str:
+    if reasoning == "drop":
+        text = _THINK.sub("", text).lstrip()
+    return text
+
+
+@dataclass
+class _Conv:
+    """One conversation being regenerated: the fixed prompt side and the answers so far."""
+
+    index: int  # position in the source (records read before it)
+    rid: str
+    key: str
+    original: list[dict[str, str]]
+    users: list[int]  # indices in `original` of the user turns that get an answer
+    msgs: list[dict[str, str]] = field(default_factory=list)  # regenerated history so far
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    open: bool = True  # more turns to generate
+    shortened: str = ""  # why the conversation ended before its last user turn
+
+
+@dataclass
+class _State:
+    """What progress.json holds: enough to continue a killed run at the next chunk."""
+
+    signature: str
+    bytes: int = 0
+    records_read: int = 0
+    records_written: int = 0
+    turns_written: int = 0
+    turns_cut: int = 0
+    shortened: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    skip_examples: dict[str, list[str]] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    format: int = FORMAT
+
+    def skip(self, rid: str, reason: str, detail: str = "") -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        ex = self.skip_examples.setdefault(reason, [])
+        if len(ex) < _EXAMPLES:
+            ex.append(f"{rid}: {detail}" if detail else rid)
+
+
+# ================================================================ reuse index
+class ReuseIndex:
+    """key -> (file, byte offset, length) over earlier regenerated JSONL files; lines read on demand."""
+
+    def __init__(self) -> None:
+        self.where: dict[str, tuple[Path, int, int]] = {}
+
+    def add_file(self, path: Path, limit: int | None = None) -> int:
+        n = 0
+        with open(path, "rb") as f:
+            off = 0
+            for line in f:
+                if limit is not None and off + len(line) > limit:
+                    break
+                try:
+                    key = json.loads(line)["provenance"]["key"]
+                except (ValueError, KeyError, TypeError):
+                    key = None  # not one of ours, or torn: ignored
+                if isinstance(key, str) and key not in self.where:
+                    self.where[key] = (path, off, len(line))
+                    n += 1
+                off += len(line)
+        return n
+
+    def add_dir(self, d: str | Path) -> int:
+        """An earlier output dir (finished, or the committed part of an unfinished one)."""
+        d = Path(d)
+        f = d / OUT_FILE
+        if not f.is_file():
+            raise ValueError(f"--reuse {d}: no {OUT_FILE} (not a regenerate output dir)")
+        limit = None
+        if not (d / MANIFEST).is_file() and (d / PROGRESS).is_file():
+            limit = int(json.loads((d / PROGRESS).read_text()).get("bytes", 0))
+        return self.add_file(f, limit)
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        hit = self.where.get(key)
+        if hit is None:
+            return None
+        path, off, n = hit
+        with open(path, "rb") as f:
+            f.seek(off)
+            rec = json.loads(f.read(n))
+        return rec if rec.get("provenance", {}).get("key") == key else None
+
+
+# ================================================================ driver
+def _open_state(out: Path, signature: str, reuse: ReuseIndex) -> _State:
+    """Continue a run with the same signature, or start over keeping the old output as a reuse source."""
+    f, prog, prev = out / OUT_FILE, out / PROGRESS, out / PREVIOUS
+    if prog.is_file():
+        try:
+            st = _State(**json.loads(prog.read_text()))
+        except (ValueError, TypeError):
+            st = None
+        if st is not None and st.signature == signature and st.format == FORMAT and f.is_file() \
+                and f.stat().st_size >= st.bytes:
+            with open(f, "rb+") as fh:  # drop a chunk that was appended but never committed
+                fh.truncate(st.bytes)
+                os.fsync(fh.fileno())
+            if prev.is_file():
+                reuse.add_file(prev)
+            return st
+    # A different run (or none) was here: what it committed may still be reused.
+    if f.is_file():
+        committed = None
+        if not (out / MANIFEST).is_file():
+            committed = int(json.loads(prog.read_text()).get("bytes", 0)) if prog.is_file() else 0
+        if committed != 0:
+            with open(f, "rb+") as fh:
+                if committed is not None:
+                    fh.truncate(committed)
+                os.fsync(fh.fileno())
+            os.replace(f, prev)  # replaces an even older .previous.jsonl: this one has all we kept
+        else:
+            f.unlink()
+    if prev.is_file():
+        reuse.add_file(prev)
+    (out / MANIFEST).unlink(missing_ok=True)
+    st = _State(signature=signature)
+    f.write_bytes(b"")
+    atomic_write_json(prog, st.__dict__)
+    return st
+
+
+def _chunks(src: Path, stats: ReadStats, size: int, limit: int | None) -> Iterator[tuple[int, list]]:
+    """(index of its first record, records) in chunks of `size` read records (bad ones included), up to `limit`."""
+    buf: list = []
+    start = 0
+    for rec in iter_source(src, stats):
+        if limit is not None and start + len(buf) >= limit:
+            break
+        buf.append(rec)
+        if len(buf) == size:
+            yield start, buf
+            start, buf = start + size, []
+    if buf:
+        yield start, buf
+
+
+def regenerate(
+    model: str | Path,
+    data: str,
+    out: str | Path,
+    cfg: RegenConfig,
+    reuse: Sequence[str | Path] = (),
+    generator: Generator | None = None,
+    progress: Progress | None = None,
+) -> RegeneratedData:
+    """Run the stage; returns the manifest (also written to `out/manifest.json`).
+
+    `generator` replaces the backend cfg.backend would build (tests, benchmarks; it must use the
+    target in `model`). Rerunning with the same inputs returns the finished manifest untouched.
+    """
+    from eagle3.data.prepare import load_tokenizer
+
+    model, out = Path(model), Path(out)
+    src = resolve_source(data)
+    model_fp = target_fingerprint(model)
+    inputs = {"source": fingerprint_source(src), "model": model_fp}
+    config = cfg.model_dump(mode="json")
+    if (out / MANIFEST).is_file():
+        try:
+            done = RegeneratedData.read(out)
+            if done.inputs == inputs and done.config == config and (out / OUT_FILE).is_file():
+                log.info("regenerate: %s already holds this exact result; nothing to do", out)
+                return done
+        except ValueError:
+            pass
+
+    tok = load_tokenizer(model)
+    if generator is None:
+        generator = make_generator(model, cfg)
+    max_len = cfg.max_len or _max_positions(model)
+    settings = cfg.settings(generator.dtype, max_len)
+    signature = sha256_json({"format": FORMAT, "inputs": inputs, "settings": settings, "limit": cfg.limit,
+                             "same_role": cfg.same_role, "chunk": cfg.chunk_records})
+
+    out.mkdir(parents=True, exist_ok=True)
+    clean_temp_files(out)
+    index = ReuseIndex()
+    for d in reuse:
+        if Path(d).resolve() != out.resolve():
+            index.add_dir(d)
+    st = _open_state(out, signature, index)
+    resumed_records, resumed_bytes = st.records_written, st.bytes
+    eos = stop_ids(model, tok)
+    t0, gen_s, tokens0 = time.perf_counter(), 0.0, 0
+    reused = generated_tokens = 0
+    read_stats = ReadStats()
+
+    for start, chunk in _chunks(src, read_stats, cfg.chunk_records, cfg.limit):
+        if start < st.records_read:  # committed before a restart (commits fall on chunk boundaries)
+            continue
+        lines: list[bytes] = []
+        convs: list[_Conv] = []
+        slots: list[tuple[int, _Conv | dict]] = []  # (source index, conversation or reused record), in order
+        for j, rec in enumerate(chunk):
+            i = start + j
+            if isinstance(rec, Bad):
+                st.skip(rec.record_id, rec.reason, rec.detail)
+                continue
+            try:
+                msgs = normalize(rec.obj, cfg.same_role)
+            except Skip as s:
+                st.skip(rec.record_id, s.reason, s.detail)
+                continue
+            key = record_key(model_fp, settings, msgs)
+            hit = index.get(key)
+            if hit is not None:
+                reused += 1
+                slots.append((i, _relabel(hit, rec.record_id, i, msgs)))
+                continue
+            c = _Conv(i, rec.record_id, key, msgs, [k for k, m in enumerate(msgs) if m["role"] == "user"],
+                      msgs=[m for m in msgs if m["role"] == "system"])
+            convs.append(c)
+            slots.append((i, c))
+
+        t = time.perf_counter()
+        ntok = _run_waves(convs, generator, tok, cfg, max_len, eos)
+        gen_s += time.perf_counter() - t
+        generated_tokens += ntok
+
+        for i, s in slots:
+            if isinstance(s, dict):  # reused
+                orig = s.pop("_original")
+                rec = s
+            else:
+                if not s.turns:
+                    st.skip(s.rid, s.shortened or "no_answer", "no assistant turn could be generated")
+                    continue
+                if s.shortened:
+                    st.shortened += 1
+                rec = _record(s, model_fp, settings)
+                orig = s.original
+            st.records_written += 1
+            st.turns_written += len(rec["provenance"]["turns"])
+            st.turns_cut += sum(t["finish"] == "length" for t in rec["provenance"]["turns"])
+            if len(st.samples) < _SAMPLES:
+                st.samples.append(_sample(rec, orig))
+            lines.append((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+        st.records_read = start + len(chunk)
+        _commit(out, st, lines)
+        if progress is not None:
+            dt = max(gen_s, 1e-9)
+            progress({"records_read": st.records_read, "records_written": st.records_written,
+                      "tokens_generated": generated_tokens, "tokens_per_second": generated_tokens / dt})
+
+    if st.records_written == 0:
+        raise ValueError(f"{data}: no conversation could be regenerated among {st.records_read} read; "
+                         f"skipped: {st.skipped}; examples: {st.skip_examples}")
+    wall = time.perf_counter() - t0
+    m = RegeneratedData(
+        config=config, inputs=inputs, model_dir=str(model), model_fingerprint=model_fp, source=str(src),
+        source_fingerprint=inputs["source"], backend=generator.name, settings=settings,
+        sha256=sha256_file(out / OUT_FILE), records_read=st.records_read, records_written=st.records_written,
+        skipped=dict(sorted(st.skipped.items())), skip_examples=st.skip_examples, turns_written=st.turns_written,
+        turns_cut=st.turns_cut, conversations_shortened=st.shortened, samples=st.samples,
+        stats={"tokens_generated": generated_tokens, "generate_seconds": round(gen_s, 3),
+               "tokens_per_second": round(generated_tokens / gen_s, 2) if gen_s else 0.0,
+               "wall_seconds": round(wall, 3), "records_reused": reused, "records_resumed": resumed_records,
+               "bytes_resumed": resumed_bytes, "unreadable_tail_bytes": read_stats.unreadable_tail_bytes},
+    )
+    m.write(out)
+    (out / PREVIOUS).unlink(missing_ok=True)
+    log.info("regenerate: %d of %d records written (%d reused, %d resumed), %d tokens generated at %.1f tok/s; "
+             "skipped %s", st.records_written, st.records_read, reused, resumed_records, generated_tokens,
+             m.stats["tokens_per_second"], st.skipped)
+    return m
+
+
+def _run_waves(convs: list[_Conv], gen: Generator, tok, cfg: RegenConfig, max_len: int, eos: set[int]) -> int:
+    """Generate every turn of `convs`: wave t answers user turn t of each conversation still open.
+
+    Returns the number of tokens generated (stop tokens included: they were computed too).
+    """
+    ntok = 0
+    t = 0
+    while True:
+        wave, prompts, seeds = [], [], []
+        for c in convs:
+            if not c.open:
+                continue
+            if t >= len(c.users):
+                c.open = False
+                continue
+            ids = render(tok, c.msgs + [c.original[c.users[t]]])
+            if len(ids) + cfg.max_new_tokens > max_len:
+                # The answer might not fit the context: end the conversation before this turn.
+                c.open, c.shortened = False, "prompt_too_long"
+                continue
+            wave.append(c)
+            prompts.append(ids)
+            seeds.append(turn_seed(cfg.seed, c.key, t))
+        if not wave:
+            return ntok
+        outs = gen.generate(prompts, seeds)
+        if len(outs) != len(wave):
+            raise RuntimeError(f"backend {gen.name} returned {len(outs)} answers for {len(wave)} prompts")
+        for c, g in zip(wave, outs):
+            ntok += len(g.ids) + (g.finish == "stop")
+            text = clean_answer(tok.decode(g.ids, skip_special_tokens=True), cfg.reasoning)
+            if not text.strip():
+                # An empty turn would make prepare drop the whole conversation: end it here instead.
+                c.open, c.shortened = False, "empty_answer"
+                continue
+            c.msgs += [c.original[c.users[t]], {"role": "assistant", "content": text}]
+            c.turns.append({"tokens": len(g.ids), "finish": g.finish})
+        t += 1
+
+
+def _record(c: _Conv, model_fp: str, settings: dict[str, Any]) -> dict[str, Any]:
+    return {"id": c.rid, "messages": c.msgs,
+            "provenance": {"source_id": c.rid, "source_index": c.index, "model": model_fp, "settings": settings,
+                           "key": c.key, "turns": c.turns}}
+
+
+def _relabel(rec: dict[str, Any], rid: str, index: int, msgs: list[dict[str, str]]) -> dict[str, Any]:
+    """A reused record under this source's id and position (the same conversation may sit elsewhere)."""
+    prov = {**rec["provenance"], "source_id": rid, "source_index": index}
+    return {"id": rid, "messages": rec["messages"], "provenance": prov, "_original": msgs}
+
+
+def _sample(rec: dict[str, Any], original: list[dict[str, str]] | None) -> dict[str, Any]:
+    """The first user turn with its original and regenerated answers, cut to a few hundred characters."""
+    original = original if original is not None else rec.get("_original", [])
+    first = lambda msgs, role: next((m["content"] for m in msgs if m["role"] == role), "")  # noqa: E731
+    cut = lambda s: s if len(s) <= _SAMPLE_CHARS else s[:_SAMPLE_CHARS] + " [...]"  # noqa: E731
+    return {"id": rec["id"], "user": cut(first(rec["messages"], "user")),
+            "original": cut(first(original, "assistant")), "regenerated": cut(first(rec["messages"], "assistant")),
+            "turns": len(rec["provenance"]["turns"])}
+
+
+def _commit(out: Path, st: _State, lines: list[bytes]) -> None:
+    """Append a chunk's lines (fsynced), then record the new committed length atomically."""
+    data = b"".join(lines)
+    with open(out / OUT_FILE, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    st.bytes += len(data)
+    atomic_write_json(out / PROGRESS, st.__dict__)
+    fsync_dir(out)
+
+
+def _max_positions(model_dir: Path) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg.get("max_position_embeddings") or 1 << 20)
+
+
+def make_generator(model: str | Path, cfg: RegenConfig) -> Generator:
+    """The backend cfg.backend names, loaded for the target in `model`."""
+    if cfg.backend == "vllm":
+        from eagle3.regenerate_vllm import VllmGenerator
+
+        return VllmGenerator(model, cfg)
+    gen, _ = load_hf(model, cfg)
+    return gen
+
+
+def read_records(out: str | Path) -> list[dict[str, Any]]:
+    """All records of a finished (or the committed part of an unfinished) regenerate dir."""
+    path = Path(out) / OUT_FILE
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,56 @@
+"""Presets parse, and pass preflight on paper for the documented host; their documented figures hold."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import PipelineConfig
+from eagle3.preflight import GIB, PreflightError, check, plan
+
+EX = Path(__file__).resolve().parents[1] / "examples"
+HOST = dict(free_bytes=4 << 40, free_mem=1 << 40)  # 4 TiB disk, plenty of RAM (documented in each preset)
+
+# preset -> (hidden-state GiB, all-disk GiB with headroom, extract minutes, train minutes), as documented
+DOCUMENTED = {
+    "llama-3.1-8b": (697, 792, 15, 16),
+    "qwen3-8b": (697, 791, 16, 15),
+    "kimi-k2.5": (762, 901, 8, 28),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_gpu_preset_passes_preflight_with_documented_figures(name):
+    cfg = PipelineConfig.from_file(EX / f"{name}.yaml")
+    p = check(cfg, **HOST)
+    rows = {(r["stage"], r["what"]): r for r in p.rows}
+    hid, total, ex_min, tr_min = DOCUMENTED[name]
+    assert rows[("extract", "disk")]["bytes"] / GIB == pytest.approx(hid, rel=0.02)
+    assert rows[("all", "disk (x1.1 headroom) / free")]["bytes"] / GIB == pytest.approx(total, rel=0.02)
+    assert p.seconds["extract"] / 60 == pytest.approx(ex_min, rel=0.1)
+    assert p.seconds["train"] / 60 == pytest.approx(tr_min, rel=0.1)
+    assert cfg.extract.backend == "vllm" and cfg.eval.backend == "vllm"
+
+
+def test_kimi_preset_specifics():
+    cfg = PipelineConfig.from_file(EX / "kimi-k2.5.yaml")
+    assert cfg.extract.tensor_parallel_size == 8
+    assert cfg.extract.aux_layer_ids == [2, 30, 58] and cfg.target.num_hidden_layers == 61
+
+
+def test_preflight_refuses_a_run_that_cannot_finish():
+    cfg = PipelineConfig.from_file(EX / "llama-3.1-8b.yaml")
+    with pytest.raises(PreflightError) as e:
+        check(cfg, free_bytes=100 * GIB, free_mem=1 << 40)
+    msg = str(e.value)
+    assert "disk" in msg and "100.00 GiB" in msg and "fp8" in msg and "run_dir" in msg
+    tight = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"tensor_parallel_size": 1}),
+                                   "target": cfg.target.model_copy(update={"num_parameters": 70e9})})
+    with pytest.raises(PreflightError, match="GPU memory"):
+        check(tight, **HOST)
+
+
+def test_demo_preset_fits_this_machine(smollm2_dir):
+    cfg = PipelineConfig.from_file(EX / "smollm2-sharegpt.yaml")
+    p = plan(cfg, free_bytes=20 * GIB, free_mem=20 * GIB)
+    assert not p.problems and p.tokens > 0
