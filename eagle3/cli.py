@@ -6,10 +6,13 @@ no traceback. Set EAGLE3_DEBUG=1 to see the traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
+
+from eagle3.lock import RunLock
 
 
 class UserError(Exception):
@@ -244,8 +247,31 @@ def _cmd_train(a) -> None:
         raise UserError(f"training exited with status {rc}")
 
 
+# ---------------------------------------------------------------- verify
+def _add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="check every stage dir under DIR against its manifest checksums")
+    p.add_argument("dir", help="a run dir (or one stage dir)")
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_verify(a) -> None:
+    from eagle3.verify import verify_tree
+
+    bad = 0
+    for f in verify_tree(a.dir):
+        print(f"{'OK ' if not f.bad else 'BAD'} {f.kind:<9} {f.stage_dir} ({f.checked} files checked)")
+        for b in f.bad:
+            print(f"    {b}")
+        bad += len(f.bad)
+    if bad:
+        raise UserError(f"{bad} problem(s) found under {a.dir}")
+
+
 # ---------------------------------------------------------------- main
-_ADDERS = [_add_assets, _add_prepare, _add_extract, _add_run, _add_verifier, _add_eval, _add_train]
+_ADDERS = [_add_assets, _add_prepare, _add_extract, _add_run, _add_verifier, _add_eval, _add_train, _add_verify]
+
+
+_LOCKED = {"prepare", "extract", "verifier", "eval", "regenerate"}  # train locks in its rank-0 process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     try:
-        a.func(a)
+        # One writer per output dir: a second command on the same dir fails at once, naming the holder.
+        out = getattr(a, "out", None) if a.cmd in _LOCKED else None
+        with RunLock(out) if out else contextlib.nullcontext():
+            a.func(a)
     except (UserError, ValueError, FileNotFoundError, RuntimeError) as e:
         if os.environ.get("EAGLE3_DEBUG"):
             raise

@@ -6,6 +6,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.artifacts import EvalReport
 from eagle3.config import PipelineConfig
+from eagle3.lock import RunLock
 from flows.stages import run_stage
 from tasks.evaluate import results_table
 from tasks.extract import stats_table
@@ -22,6 +23,11 @@ def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, str]:
 
 def run_stages(config: PipelineConfig, reuse: list[str] | None = None) -> tuple[dict[str, str], EvalReport]:
     """Preflight, the five stages in order, the run summary; `reuse`: earlier extract dirs (incremental runs)."""
+    with RunLock(config.run_dir):  # two runs never write one run dir
+        return _stages(config, reuse)
+
+
+def _stages(config: PipelineConfig, reuse: list[str] | None) -> tuple[dict[str, str], EvalReport]:
     model, d = str(config.model), {s: str(config.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train", "eval")}
     preflight(config)
 

@@ -84,10 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     from eagle3.train.loop import train
 
+    from contextlib import nullcontext
+
+    from eagle3.lock import LockedError, RunLock
+
     try:
-        train(config_from_args(a), a.hidden, a.verifier, a.out, verifier_name=a.verifier_name,
-              restart_on_mismatch=a.restart_on_mismatch)
-    except (ValueError, FileNotFoundError) as e:
+        with RunLock(a.out) if rank == 0 else nullcontext():
+            train(config_from_args(a), a.hidden, a.verifier, a.out, verifier_name=a.verifier_name,
+                  restart_on_mismatch=a.restart_on_mismatch)
+    except (ValueError, FileNotFoundError, LockedError) as e:
         print(f"eagle3 train (rank {rank}): error: {e}", file=sys.stderr)
         return 2
     return 0

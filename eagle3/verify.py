@@ -1,0 +1,69 @@
+"""`eagle3 verify DIR`: check every stage dir under DIR against its manifest's checksums.
+
+Each file a manifest lists is re-hashed; a missing, truncated or altered file is named. The
+result is one line per stage plus one per bad file; the exit status is 1 if anything is wrong.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3.atomic import sha256_file
+
+
+@dataclass
+class Finding:
+    stage_dir: Path
+    kind: str
+    checked: int = 0
+    bad: list[str] = field(default_factory=list)
+
+
+def _files(kind: str, d: Path, m: dict) -> list[tuple[Path, str]]:
+    """(path, expected sha256) for every checksummed file of a manifest."""
+    out: list[tuple[Path, str]] = []
+    if kind == "prepare":
+        out += [(d / s["file"], s["sha256"]) for shards in m["splits"].values() for s in shards]
+        if m.get("vocab_map"):
+            out.append((d / m["vocab_map"]["file"], m["vocab_map"]["sha256"]))
+    elif kind == "extract":
+        out += [(d / s["file"], s["sha256"]) for s in m["shards"]]
+        if m.get("index_sha256"):
+            out.append((d / m["index_file"], m["index_sha256"]))
+    elif kind == "verifier":
+        out.append((d / m["file"], m["sha256"]))
+    elif kind == "train":
+        out.append((d / m["final_dir"] / "model.safetensors", m["weights_sha256"]))
+    return out
+
+
+def verify_dir(d: Path) -> Finding:
+    m = json.loads((d / "manifest.json").read_text())
+    f = Finding(d, m.get("kind", "?"))
+    for path, digest in _files(f.kind, d, m):
+        f.checked += 1
+        if not path.is_file():
+            f.bad.append(f"{path}: missing")
+        elif sha256_file(path) != digest:
+            f.bad.append(f"{path}: sha256 differs from the manifest (corrupt or truncated)")
+    if f.kind == "train":
+        from eagle3.train import checkpoint as ckpt
+
+        for c in ckpt.step_dirs(d) + ([d / ckpt.CKPT_DIR / ckpt.BEST] if (d / ckpt.CKPT_DIR / ckpt.BEST).is_dir() else []):
+            f.checked += 1
+            if not ckpt.valid(c):
+                f.bad.append(f"{c}: checkpoint files do not match its meta.json (a resume skips it)")
+    if f.kind == "eval" and not (d / "report.json").is_file():
+        f.bad.append(f"{d / 'report.json'}: missing")
+    return f
+
+
+def verify_tree(root: str | Path) -> list[Finding]:
+    root = Path(root)
+    if not root.exists():
+        raise ValueError(f"{root} does not exist")
+    dirs = sorted({p.parent for p in root.rglob("manifest.json") if ".tmp" not in str(p) and "checkpoints" not in p.parts})
+    if not dirs:
+        raise ValueError(f"{root}: no stage manifest (manifest.json) found")
+    return [verify_dir(d) for d in dirs]

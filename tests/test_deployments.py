@@ -1,0 +1,263 @@
+"""The service end to end: a real `prefect server start`, deployments from deployments/prefect.yaml,
+process workers on the `cpu` and `gpu` pools, runs triggered through the API.
+
+One test, in order (each run builds on the last):
+  A. eagle3-pipeline, as deployed: the GPU stages hop to the gpu pool; extraction fails once
+     midway (EAGLE3_FAIL_ONCE on the gpu worker), Prefect retries it and the retry resumes;
+  B. the same parameters again: every stage is served from the cache;
+  C. eagle3-nightly seeded with run A, one conversation added: only that sample is extracted,
+     training warm-starts from A's draft with A's vocab map, and the promotion decision is an artifact.
+B and C run their stages in the cpu worker's flow run (EAGLE3_GPU_DEPLOYMENT="" per run), which
+keeps the test under 3 minutes; A covers the hop.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eagle3.atomic import sha256_file
+from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STAGES = ["prepare", "extract", "verifier", "train", "eval"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], env: dict, log: Path, **kw) -> subprocess.Popen:
+    """A process in its own session (so its whole group can be stopped), output to `log`."""
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, **kw)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL it if it lingers."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """`prefect server start` on loopback, pools + limit from deployments/setup.py, one worker per pool, deployments."""
+    home = tmp_path_factory.mktemp("prefect-service")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO", "EAGLE3_REPO": str(REPO)}
+    env.pop("EAGLE3_FAIL_ONCE", None)
+    env.pop("EAGLE3_GPU_DEPLOYMENT", None)
+    procs = [_start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                    env, home / "server.log")]
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert procs[0].poll() is None, (home / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "prefect server did not come up in 120 s"
+            time.sleep(0.5)
+        r = subprocess.run([sys.executable, "deployments/setup.py", "--gpus", "8"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        marker = home / "extract-failed-once"
+        for pool, extra in (("cpu", {}), ("gpu", {"EAGLE3_FAIL_ONCE": f"extract:{marker}"})):
+            procs.append(_start([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--name", f"test-{pool}"],
+                                {**env, **extra}, home / f"worker-{pool}.log", cwd=REPO))
+        r = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
+                            "deployments/prefect.yaml"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        yield {"url": url, "home": home, "marker": marker}
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+
+
+@pytest.fixture
+def client(service):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: service["url"]}), get_client(sync_client=True) as c:
+        yield c
+
+
+def trigger(client, deployment: str, parameters: dict, job_variables: dict | None = None, timeout: float = 150):
+    """Start a deployment's run through the API and wait for its final state."""
+    dep = client.read_deployment_by_name(deployment)
+    run = client.create_flow_run_from_deployment(dep.id, parameters=parameters, job_variables=job_variables)
+    deadline = time.time() + timeout
+    while not (run := client.read_flow_run(run.id)).state.is_final():
+        assert time.time() < deadline, f"{deployment}: still {run.state.name} after {timeout} s"
+        time.sleep(1)
+    return run
+
+
+def subflows(client, run) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    return client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(
+        any_=[run.id])))
+
+
+def task_runs(client, *runs) -> dict:
+    """Stage task runs by stage name, over the given flow runs (skipping run_deployment's placeholders)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    trs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])))
+    return {t.name.rsplit("-", 1)[0]: t for t in trs if t.name.rsplit("-", 1)[0] in STAGES}
+
+
+def artifacts(client, run) -> dict:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    return {a.key: a for a in arts if a.key}
+
+
+def logs(client, run) -> str:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    return "\n".join(x.message for x in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))))
+
+
+def _chat(i: int) -> dict:
+    return {"conversations": [{"from": "human", "value": f"question {i}: what is {i} plus {i}?"},
+                              {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. " * 3}]}
+
+
+@pytest.fixture
+def tiny(tmp_path, tiny_llama_dir):
+    """tests/test_flow.py's tiny config, with 64 KiB hidden-state shards (one or two samples each)."""
+    data = tmp_path / "conversations"
+    data.mkdir()
+    (data / "day1.jsonl").write_text("\n".join(json.dumps(_chat(i)) for i in range(12)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 plus 2?"}) + "\n")
+    cfg = PipelineConfig(
+        model=str(tiny_llama_dir), run_dir=str(tmp_path / "run"),
+        prepare=PrepareConfig(data=str(data), draft_vocab=256, val_fraction=0.2),
+        extract=ExtractConfig(aux_layer_ids=[1, 3, 4], shard_bytes=1 << 16),
+        train=TrainConfig(ttt_steps=2, max_steps=2, pack_tokens=128, threads=1, val_every=1, ckpt_every=1),
+        eval=EvalConfig(prompts=str(prompts), k=2, max_new_tokens=6),
+    )
+    return cfg, data
+
+
+def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
+    from eagle3.artifacts import EvalReport, HiddenStates, PreparedData, TrainedDraft
+
+    cfg, data = tiny
+    t0 = time.time()
+
+    # What prefect.yaml and setup.py put on the server.
+    assert {p: client.read_work_pool(p).type for p in ("cpu", "gpu")} == {"cpu": "process", "gpu": "process"}
+    assert client.read_global_concurrency_limit_by_name("gpus").limit == 8
+    pipe = client.read_deployment_by_name("eagle3-pipeline/eagle3-pipeline")
+    assert pipe.work_pool_name == "cpu" and not pipe.schedules
+    assert pipe.job_variables["env"]["EAGLE3_GPU_DEPLOYMENT"] == "gpu"
+    form = pipe.parameter_openapi_schema["definitions"]["PrepareConfig"]["properties"]["max_len"]
+    assert form["minimum"] == 16 and "truncate" in form["description"]  # the UI's run form: bounds + descriptions
+    night = client.read_deployment_by_name("eagle3-nightly/eagle3-nightly")
+    assert (night.schedules[0].schedule.cron, night.schedules[0].schedule.timezone) == ("0 2 * * *", "Europe/Berlin")
+    for stage in ("extract", "train", "eval"):
+        gpu = client.read_deployment_by_name(f"eagle3-{stage}/gpu")
+        assert gpu.work_pool_name == "gpu" and gpu.job_variables["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+
+    # A: as deployed. GPU stages hop to the gpu pool; extraction fails once midway and is retried.
+    params = {"config": cfg.model_dump(mode="json")}
+    run_a = trigger(client, "eagle3-pipeline/eagle3-pipeline", params)
+    assert run_a.state.is_completed(), logs(client, run_a)[-4000:]
+    assert run_a.work_pool_name == "cpu"
+    children = subflows(client, run_a)
+    flows = {client.read_flow(c.flow_id).name: c for c in children}
+    assert set(flows) == {"eagle3-extract", "eagle3-train", "eagle3-eval"}
+    assert {c.work_pool_name for c in children} == {"gpu"} and {c.state.name for c in children} == {"Completed"}
+    runs_a = task_runs(client, run_a, *children)
+    assert sorted(runs_a) == sorted(STAGES) and {t.state.name for t in runs_a.values()} == {"Completed"}
+    assert runs_a["extract"].run_count == 2, "the injected failure must show as one retry"
+    assert {s: runs_a[s].run_count for s in STAGES if s != "extract"} == dict.fromkeys(["prepare", "verifier",
+                                                                                       "train", "eval"], 1)
+    assert service["marker"].is_file()
+    hidden = HiddenStates.read(cfg.stage_dir("extract"))
+    # The retry resumed: shards committed before the failure were kept, only the rest computed.
+    assert len(hidden.shards) >= 6 and 1 <= hidden.stats["shards_skipped"] < len(hidden.shards)
+    assert hidden.stats["shards_written"] == len(hidden.shards) - hidden.stats["shards_skipped"]
+    assert hidden.stats["tokens_computed"] < hidden.num_tokens
+    assert "injected transient failure" in logs(client, flows["eagle3-extract"])
+
+    # A's artifacts, read back through the API: the run summary (in the flow) and the stages' own.
+    arts = artifacts(client, run_a)
+    report = EvalReport.read(cfg.stage_dir("eval"))
+    rows = {r["stage"]: r for r in json.loads(arts["eagle3-run-stages"].data)}
+    assert {s: rows[s]["dir"] for s in STAGES} == {s: str(cfg.stage_dir(s)) for s in STAGES}
+    assert f"**tau = {report.acceptance_length:.3f}**" in arts["eagle3-run-summary"].data
+    assert f"| shards resumed (already committed) | {hidden.stats['shards_skipped']} |" in \
+        arts["eagle3-run-summary"].data
+    stats = {r["what"]: r["value"] for r in json.loads(artifacts(client, flows["eagle3-extract"])["extract-stats"].data)}
+    assert stats["shards resumed (already committed)"] == hidden.stats["shards_skipped"]
+    assert "eval-results" in artifacts(client, flows["eagle3-eval"])
+    t_a = time.time() - t0
+
+    # B: unchanged inputs, stages in this run's process: every stage is served from the cache,
+    # and the summary, made in the flow, still shows A's figures.
+    local = {"env": {"EAGLE3_GPU_DEPLOYMENT": ""}}
+    run_b = trigger(client, "eagle3-pipeline/eagle3-pipeline", params, local)
+    assert run_b.state.is_completed(), logs(client, run_b)[-4000:]
+    assert not subflows(client, run_b)
+    assert {s: t.state.name for s, t in task_runs(client, run_b).items()} == dict.fromkeys(STAGES, "Cached")
+    assert f"**tau = {report.acceptance_length:.3f}**" in artifacts(client, run_b)["eagle3-run-summary"].data
+    t_b = time.time() - t0 - t_a
+
+    # C: nightly, seeded with run A, one new conversation: only the new sample is extracted.
+    (data / "day2.jsonl").write_text(json.dumps(_chat(100)) + "\n")
+    root = cfg.stage_dir("x").parent.parent / "nightly"
+    night_params = {"config": {"conversations": str(data), "root": str(root), "margin": 0.25,
+                               "seed_run": cfg.run_dir, "base": cfg.model_dump(mode="json")}}
+    run_c = trigger(client, "eagle3-nightly/eagle3-nightly", night_params, local)
+    assert run_c.state.is_completed(), logs(client, run_c)[-4000:]
+    (night_dir,) = [p for p in root.iterdir() if p.is_dir()]
+    assert {s: t.state.name for s, t in task_runs(client, run_c).items()} == dict.fromkeys(STAGES, "Completed")
+    prep = PreparedData.read(night_dir / "prepare")
+    assert prep.records_read == 13
+    h2 = HiddenStates.read(night_dir / "extract")
+    assert h2.num_samples == hidden.num_samples + 1
+    assert (h2.stats["samples_computed"], h2.stats["samples_reused"]) == (1, hidden.num_samples)
+    assert h2.stats["tokens_computed"] == h2.num_tokens - hidden.num_tokens
+    # Warm start: A's vocab map byte for byte, training initialized from A's draft.
+    assert sha256_file(night_dir / "prepare" / "vocab_map.safetensors") == \
+        sha256_file(cfg.stage_dir("prepare") / "vocab_map.safetensors")
+    a_final = str(cfg.stage_dir("train") / TrainedDraft.read(cfg.stage_dir("train")).final_dir)
+    assert TrainedDraft.read(night_dir / "train").config["init_from"] == a_final
+    # Promotion: the decision and both figures in a markdown artifact, promoted.json only if tau held.
+    new_tau = EvalReport.read(night_dir / "eval").acceptance_length
+    promote = new_tau >= report.acceptance_length - 0.25
+    md = artifacts(client, run_c)["eagle3-nightly-promotion"].data
+    assert f"| new | {new_tau:.4f} |" in md and f"| promoted before | {report.acceptance_length:.4f} |" in md
+    assert ("**promoted**" in md) == promote and "1 extracted tonight" in md
+    assert (root / "promoted.json").is_file() == promote
+    if promote:
+        assert json.loads((root / "promoted.json").read_text())["tau"] == new_tau
+    t_c = time.time() - t0 - t_a - t_b
+    print(f"\nrun A (hop + retry) {t_a:.1f} s, run B (cached) {t_b:.1f} s, nightly {t_c:.1f} s")
