@@ -62,3 +62,18 @@ def prefect_env(tmp_path_factory):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield home
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA; `vllm` tests need vLLM and CUDA. Elsewhere they skip, saying why."""
+    import importlib.util
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "vllm" in item.keywords and not (cuda and has_vllm):
+            item.add_marker(pytest.mark.skip(reason="needs vLLM and a GPU"))

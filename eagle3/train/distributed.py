@@ -64,7 +64,9 @@ def wrap(model: nn.Module, d: Dist, fsdp: bool = False) -> nn.Module:
             raise ValueError("--fsdp needs CUDA; on CPU use DDP (the default)")
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model.midlayer)
+        if not dist.is_initialized():  # FSDP2 needs a process group, even of one (torchrun set the env)
+            dist.init_process_group("nccl")
+        fully_shard(model.draft.midlayer if hasattr(model, "draft") else model.midlayer)
         fully_shard(model)
         return model
     if d.world == 1:
