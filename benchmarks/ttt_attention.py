@@ -10,7 +10,7 @@ skipped (null, with the reason) instead of being run. The last line is JSON keye
 {"4096": {"memory_ratio_eager": ..., "memory_ratio_sdpa": ..., "time_ratio_sdpa": ...}, ...}
 with ratios ours / theirs.
 
-    .venv/bin/python benchmarks/ttt_attention.py [--lengths 2048 4096 8192] [--block 128]
+    .venv/bin/python benchmarks/ttt_attention.py [--lengths 2048 4096 8192] [--block N]
 """
 from __future__ import annotations
 
@@ -145,20 +145,22 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3, help="GQA kv heads (SmolLM2's draft: 3)")
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--block", type=int, default=128, help="query block of ours")
+    ap.add_argument("--block", type=int, default=None, help="query block of ours (default: auto_block)")
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--child", dest="impl", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--L", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.impl:
         return child(a)
+    from eagle3.train.attention import auto_block
 
     results: dict[int, dict[str, dict | None]] = {}
     reasons: dict[str, str] = {}
     for L in a.lengths:
         results[L] = {}
         for impl in a.impls:
-            est = estimate_extra_bytes(impl, L, a.j, a.heads, a.kv_heads, a.dim, a.block)
+            block = a.block or auto_block(1, a.heads, L)
+            est = estimate_extra_bytes(impl, L, a.j, a.heads, a.kv_heads, a.dim, block)
             avail = _mem_available()
             if est > 0.8 * avail:
                 results[L][impl] = None
@@ -167,7 +169,7 @@ def main() -> None:
                 continue
             cmd = [sys.executable, __file__, "--child", impl, "--L", str(L), "--j", str(a.j),
                    "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--dim", str(a.dim),
-                   "--block", str(a.block)]
+                   "--block", str(block)]
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 results[L][impl] = None
@@ -191,6 +193,8 @@ def main() -> None:
             "memory_ratio_eager": ratio(L, "extra_bytes", "eager"),
             "memory_ratio_sdpa": ratio(L, "extra_bytes", "sdpa"),
             "time_ratio_sdpa": ratio(L, "total_s", "sdpa"),
+            # CPU seconds (all threads): less sensitive than wall time to other jobs on the cores
+            "cpu_time_ratio_sdpa": ratio(L, "cpu_s", "sdpa"),
         }
         skipped = {k.split("/")[1]: v for k, v in reasons.items() if k.startswith(f"{L}/")}
         if skipped:

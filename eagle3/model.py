@@ -397,7 +397,7 @@ class Eagle3Draft(nn.Module):
         combine(aux); step j's is step j-1's next-state at the same position. Ids past the row
         end are 0; the loss masks those positions. Returns `steps` tensors [B, L, Vd].
         """
-        from eagle3.train.attention import DEFAULT_BLOCK, doc_ids_from_position_ids, ttt_attention
+        from eagle3.train.attention import doc_ids_from_position_ids, ttt_attention
 
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -423,7 +423,7 @@ class Eagle3Draft(nn.Module):
             else:
                 kd.append(k)
                 vd.append(v)
-            attn = ttt_attention(q, k0, v0, kd, vd, doc, block=block or DEFAULT_BLOCK)
+            attn = ttt_attention(q, k0, v0, kd, vd, doc, block=block)
             normed, h = self.head(self.midlayer.finish(attn, residual))
             out_logits.append(self.logits(normed))
         return out_logits

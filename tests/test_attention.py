@@ -8,6 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle3.train.attention import (
+    SCRATCH_ELEMENTS,
+    auto_block,
     doc_ids_from_cu_seqlens,
     doc_ids_from_position_ids,
     ttt_attention,
@@ -139,3 +141,13 @@ def test_errors():
     q, k0, v0, kd, vd = _inputs(1, 4, 2, 8, 4, 1)
     with pytest.raises(ValueError, match="doc must be"):
         ttt_attention(q, k0, v0, kd, vd, doc=torch.zeros(1, 7, dtype=torch.long))
+
+
+def test_auto_block_bounds_the_scratch():
+    # SmolLM2's draft (9 heads): 512 up to L=4096, then halving so heads*block*L stays <= 32M
+    assert [auto_block(1, 9, L) for L in (64, 2048, 4096, 8192, 16384)] == [512, 512, 512, 256, 128]
+    for B, H, L in [(1, 9, 8192), (4, 32, 8192), (2, 32, 65536)]:
+        b = auto_block(B, H, L)
+        assert B * H * b * L <= SCRATCH_ELEMENTS or b == 16
+    # and the default (auto) path still equals the reference
+    _check(B=1, Hq=2, Hkv=1, L=40, D=8, j=2, doc=None, block=None)

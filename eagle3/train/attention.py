@@ -24,7 +24,20 @@ from typing import Sequence
 
 import torch
 
-DEFAULT_BLOCK = 128
+DEFAULT_BLOCK = None  # auto: see auto_block
+SCRATCH_ELEMENTS = 1 << 25  # 32M scores (128 MiB in fp32) per scratch buffer at most
+MAX_BLOCK = 512
+
+
+def auto_block(batch: int, heads: int, length: int) -> int:
+    """Query block for [batch, heads, length]: the largest power of two <= MAX_BLOCK whose score
+    scratch (batch * heads * block * length) fits SCRATCH_ELEMENTS, and at least 16.
+
+    Bigger blocks mean fewer, larger ops (fewer kernel launches on GPU, fewer OpenMP barriers on
+    a shared CPU); the cap keeps the scratch, the only O(L * block) term, bounded.
+    """
+    fit = SCRATCH_ELEMENTS // max(1, batch * heads * length)
+    return max(16, min(MAX_BLOCK, 1 << max(0, fit.bit_length() - 1)))
 
 
 def doc_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -77,12 +90,14 @@ def _block_scores(q_blk, k0, kd, doc, a, b, lo, scale, buf):
     torch.matmul(q_blk.reshape(B, Hkv, G * n, D), k0[:, :, lo:b].transpose(-1, -2), out=s0)
     s0 = s0.view(B, Hkv, G, n, b - lo).mul_(scale)
     tq = torch.arange(a, b, device=q_blk.device)
-    tk = torch.arange(lo, b, device=q_blk.device)
-    allowed = tk[None, :] <= tq[:, None]  # [n, b-lo] causal
-    if doc is not None:
-        allowed = allowed & (doc[:, None, lo:b] == doc[:, a:b, None])  # [B, n, b-lo] same document
-        allowed = allowed[:, None, None]
-    s0.masked_fill_(~allowed, float("-inf"))
+    if doc is None:
+        # keys before a are visible to the whole block: only the [n, n] corner needs the causal mask
+        tk = torch.arange(a, b, device=q_blk.device)
+        s0[..., a - lo :].masked_fill_(tk[None, :] > tq[:, None], float("-inf"))
+    else:
+        tk = torch.arange(lo, b, device=q_blk.device)
+        allowed = (tk[None, :] <= tq[:, None]) & (doc[:, None, lo:b] == doc[:, a:b, None])  # [B, n, b-lo]
+        s0.masked_fill_(~allowed[:, None, None], float("-inf"))  # causal, same document
     # sd[.., i, t] = q_t . kd_i,t: one dot product per (step, position), no L x L anything.
     kd_blk = _stack_block(kd, a, b, q_blk)
     sd = torch.einsum("bhgnd,bhjnd->bhgjn", q_blk, kd_blk).mul_(scale)
@@ -197,14 +212,14 @@ def ttt_attention(
     vd: Sequence[torch.Tensor] | torch.Tensor | None = None,
     doc: torch.Tensor | None = None,
     scale: float | None = None,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """Attention of TTT step j = len(kd) (0 when kd is None).
 
     q: [B, Hq, L, D] step-j queries; k0, v0: [B, Hkv, L, D] step-0 keys/values;
     kd, vd: the keys/values of steps 1..j, as j tensors [B, Hkv, L, D] or one [B, Hkv, j, L, D];
-    doc: [B, L] document index of each position in packed rows (None: one document per row).
-    Returns [B, Hq, L, D].
+    doc: [B, L] document index of each position in packed rows (None: one document per row);
+    block: queries per block (None: `auto_block`). Returns [B, Hq, L, D].
     """
     B, Hq, L, D = q.shape
     if k0.shape != v0.shape or k0.shape[0] != B or k0.shape[2:] != (L, D):
@@ -218,6 +233,9 @@ def ttt_attention(
         raise ValueError(f"kd/vd must be equally many tensors shaped like k0 {tuple(k0.shape)}")
     if doc is not None and doc.shape != (B, L):
         raise ValueError(f"doc must be [B, L] = [{B}, {L}], got {tuple(doc.shape)}")
+    if doc is not None and not bool((doc != doc[:, :1]).any()):
+        doc = None  # one document per row: the cheaper plain-causal path gives the same result
+    block = auto_block(B, Hq, L) if block is None else block
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     scale = 1.0 / math.sqrt(D) if scale is None else scale

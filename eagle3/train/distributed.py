@@ -105,3 +105,21 @@ def broadcast_object(obj: Any, d: Dist) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, fsdp: bool) -> dict:
+    """The optimizer state as one unsharded dict (gathered under FSDP2; a collective there)."""
+    if not fsdp:
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict, fsdp: bool) -> None:
+    if not fsdp:
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))

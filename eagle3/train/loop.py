@@ -169,9 +169,6 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     total = cfg.max_steps or cfg.epochs * spe
     weights = step_weights(cfg.ttt_steps, cfg.step_decay)
 
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
     pos, best = Pos(), {"tau": -1.0, "step": -1}
 
     # ---- resume: model, optimizer, scheduler, data position, RNG
@@ -189,15 +186,20 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
             dist.barrier()
             last = None
     if last is not None:
-        draft.load_state_dict(state_dict)
-        opt.load_state_dict(state["optimizer"])
+        draft.load_state_dict(state_dict)  # before wrapping: FSDP2 then shards the loaded weights
+    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block), d, cfg.fsdp)
+    # The optimizer is built on the wrapped model's parameters (FSDP2 replaces them with shards).
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+    if last is not None:
+        dist.load_optimizer_state(model, opt, state["optimizer"], cfg.fsdp)
         sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         pos, best = Pos(**state["pos"]), state["best"]
         if d.main:
             log.info("train: resumed from %s (step %d, epoch %d, epoch step %d)", last.name, pos.step, pos.epoch,
                      pos.epoch_step)
-    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block), d, cfg.fsdp)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if d.device.type == "cuda" else nullcontext()
     metrics_path = out / METRICS
     if d.main:
@@ -212,8 +214,9 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     def save(tag: str) -> None:
         sd = dist.full_state_dict(model if cfg.fsdp else draft)
         sd = {k.removeprefix("draft."): v for k, v in sd.items()}
+        osd = dist.optimizer_state(model, opt, cfg.fsdp)  # collective under FSDP: every rank calls it
         if d.main:
-            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
+            state = {"optimizer": osd, "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
                      "pos": pos.__dict__.copy(), "best": dict(best)}
             ckpt.save(out, tag, sd, state, {"config": config, "inputs": inputs, "step": pos.step})
             if tag.startswith("step-"):
@@ -257,7 +260,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                     out_, _, _ = row_pass(model, head, batch, weights, amp)
                     (out_.loss / cfg.grad_accum).backward()
                 window.add(out_, None, rows=1, tokens=batch["input_ids"].numel())
-            gnorm = torch.nn.utils.clip_grad_norm_(params if not cfg.fsdp else model.parameters(), cfg.grad_clip)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
