@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 _CHUNK = 1 << 20
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -59,6 +61,7 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; the final file gets the usual mode
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)

@@ -267,8 +267,64 @@ def _cmd_verify(a) -> None:
         raise UserError(f"{bad} problem(s) found under {a.dir}")
 
 
+# ---------------------------------------------------------------- regenerate
+def _add_regenerate(sub) -> None:
+    p = sub.add_parser("regenerate", help="stage 0 (optional): rewrite every assistant turn with the target itself")
+    p.add_argument("--model", required=True, help="target HF model dir (its chat template and stop ids are used)")
+    p.add_argument("--data", required=True, help="ShareGPT JSON, JSONL, Parquet, HF datasets dir, or 'sharegpt'")
+    p.add_argument("--out", required=True, help="output dir: regenerated.jsonl + manifest.json (rerun to resume)")
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="hf (transformers) or vllm (GPU host)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per assistant turn at most (default 1024)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (each conversation turn has its own stream)")
+    p.add_argument("--reasoning", choices=["keep", "drop"], default="keep",
+                   help="keep or drop <think>...</think> blocks in the regenerated turns")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="prompt + answer tokens at most (default: the model's max_position_embeddings)")
+    p.add_argument("--limit", type=int, default=None, help="regenerate only the first N records")
+    p.add_argument("--same-role", choices=["merge", "drop"], default="merge", help="as in prepare")
+    p.add_argument("--chunk-records", type=int, default=64, help="records per committed chunk (resume unit)")
+    p.add_argument("--batch-size", type=int, default=8, help="hf: sequences decoded together (default 8)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: fp32 on CPU, bf16 on CUDA / vLLM")
+    p.add_argument("--reuse", action="append", default=[], metavar="DIR",
+                   help="an earlier regenerate dir whose records (same model, settings, prompts) are copied (repeatable)")
+    p.add_argument("--tp", type=int, default=1, help="vllm: tensor parallel size")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm: gpu_memory_utilization")
+    p.add_argument("--threads", type=int, default=None, help="hf on CPU: torch threads (default: torch's)")
+    p.set_defaults(func=_cmd_regenerate)
+
+
+def _cmd_regenerate(a) -> None:
+    import logging
+
+    from eagle3.config import RegenConfig
+    from eagle3.regenerate import regenerate
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    cfg = RegenConfig(backend=a.backend, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                      seed=a.seed, reasoning=a.reasoning, max_len=a.max_len, limit=a.limit, same_role=a.same_role,
+                      chunk_records=a.chunk_records, batch_size=a.batch_size, dtype=a.dtype,
+                      tensor_parallel_size=a.tp, gpu_memory_utilization=a.gpu_memory_utilization)
+
+    def progress(p: dict) -> None:
+        print(f"regenerate: {p['records_read']} records read, {p['records_written']} written, "
+              f"{p['tokens_generated']} tokens at {p['tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
+
+    m = regenerate(a.model, a.data, a.out, cfg, reuse=a.reuse, progress=progress)
+    print(json.dumps({"out": a.out, "file": f"{a.out}/{m.file}", "records_read": m.records_read,
+                      "records_written": m.records_written, "skipped": m.skipped, "turns_written": m.turns_written,
+                      "turns_cut": m.turns_cut, **m.stats}, indent=1))
+
+
 # ---------------------------------------------------------------- main
-_ADDERS = [_add_assets, _add_prepare, _add_extract, _add_run, _add_verifier, _add_eval, _add_train, _add_verify]
+_ADDERS = [_add_assets, _add_prepare, _add_extract, _add_run, _add_verifier, _add_eval, _add_train, _add_verify,
+           _add_regenerate]
 
 
 _LOCKED = {"prepare", "extract", "verifier", "eval", "regenerate"}  # train locks in its rank-0 process

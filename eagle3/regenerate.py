@@ -419,9 +419,10 @@ def regenerate(
             pass
 
     tok = load_tokenizer(model)
-    if generator is None:
-        generator = make_generator(model, cfg)
+    eos = stop_ids(model, tok)
     max_len = cfg.max_len or _max_positions(model)
+    if generator is None:
+        generator = make_generator(model, cfg, max_len, eos)
     settings = cfg.settings(generator.dtype, max_len)
     signature = sha256_json({"format": FORMAT, "inputs": inputs, "settings": settings, "limit": cfg.limit,
                              "same_role": cfg.same_role, "chunk": cfg.chunk_records})
@@ -434,7 +435,6 @@ def regenerate(
             index.add_dir(d)
     st = _open_state(out, signature, index)
     resumed_records, resumed_bytes = st.records_written, st.bytes
-    eos = stop_ids(model, tok)
     t0, gen_s, tokens0 = time.perf_counter(), 0.0, 0
     reused = generated_tokens = 0
     read_stats = ReadStats()
@@ -599,12 +599,12 @@ def _max_positions(model_dir: Path) -> int:
     return int(cfg.get("max_position_embeddings") or 1 << 20)
 
 
-def make_generator(model: str | Path, cfg: RegenConfig) -> Generator:
+def make_generator(model: str | Path, cfg: RegenConfig, max_len: int, eos: set[int]) -> Generator:
     """The backend cfg.backend names, loaded for the target in `model`."""
     if cfg.backend == "vllm":
         from eagle3.regenerate_vllm import VllmGenerator
 
-        return VllmGenerator(model, cfg)
+        return VllmGenerator(model, cfg, max_len, eos)
     gen, _ = load_hf(model, cfg)
     return gen
 
