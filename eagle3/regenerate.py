@@ -467,7 +467,7 @@ def regenerate(
             slots.append((i, c))
 
         t = time.perf_counter()
-        ntok = _run_waves(convs, generator, tok, cfg, max_len, eos)
+        ntok = _run_waves(convs, generator, tok, cfg, max_len)
         gen_s += time.perf_counter() - t
         generated_tokens += ntok
 
@@ -519,7 +519,7 @@ def regenerate(
     return m
 
 
-def _run_waves(convs: list[_Conv], gen: Generator, tok, cfg: RegenConfig, max_len: int, eos: set[int]) -> int:
+def _run_waves(convs: list[_Conv], gen: Generator, tok, cfg: RegenConfig, max_len: int) -> int:
     """Generate every turn of `convs`: wave t answers user turn t of each conversation still open.
 
     Returns the number of tokens generated (stop tokens included: they were computed too).
