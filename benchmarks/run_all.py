@@ -1,0 +1,105 @@
+"""Run every benchmark and write benchmarks/RESULTS.md: figures, machine, date and commit.
+
+    .venv/bin/python benchmarks/run_all.py [--only prepare train ...] [--quick]
+
+Each benchmark is its own process; its last stdout line is one JSON object, copied into the
+results verbatim (flattened into a table), next to the command that produced it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+BENCHES = {
+    "prepare": ["prepare.py"],
+    "extract": ["extract.py"],
+    "ttt_attention": ["ttt_attention.py"],
+    "train": ["train.py"],
+    "regenerate": ["regenerate.py"],
+}
+QUICK = {  # smaller settings for a smoke run of this script itself
+    "prepare": ["--limit", "200"],
+    "train": ["--vocab", "8192", "--k", "3", "--pack", "512", "--steps", "1"],
+}
+
+
+def flatten(obj, prefix=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, obj
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        mem = f", {int(open('/proc/meminfo').readline().split()[1]) / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    gpu = ""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = f", GPU {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs{mem}{gpu}; Python {platform.python_version()}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    a = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    sections = []
+    for name, script in BENCHES.items():
+        if a.only and name not in a.only:
+            continue
+        path = HERE / script[0]
+        if not path.is_file():
+            continue
+        cmd = [sys.executable, str(path), *script[1:], *(QUICK.get(name, []) if a.quick else [])]
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        wall = time.perf_counter() - t0
+        shown = " ".join([".venv/bin/python", f"benchmarks/{script[0]}", *cmd[2:]])
+        if p.returncode:
+            sections.append(f"## {name}\n\n`{shown}` failed (exit {p.returncode}):\n\n```\n{p.stderr[-1500:]}\n```\n")
+            print(f"{name}: FAILED", flush=True)
+            continue
+        figs = json.loads(p.stdout.strip().splitlines()[-1])
+        rows = "\n".join(f"| {k} | {v} |" for k, v in flatten(figs))
+        human = "\n".join(p.stdout.strip().splitlines()[:-1][-12:])
+        sections.append(f"## {name}\n\n`{shown}` ({wall:.0f} s)\n\n```\n{human}\n```\n\n| figure | value |\n|---|---|\n{rows}\n")
+        print(f"{name}: done in {wall:.0f} s", flush=True)
+    head = (f"# Benchmark results\n\nMachine: {machine()}\n\nDate: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+            f"commit `{commit}`{' (quick settings)' if a.quick else ''}.\n\nEvery figure below is printed by the "
+            "script named above it; ratios are measured side by side in one process where the script says so.\n")
+    Path(a.out).write_text(head + "\n" + "\n".join(sections))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
