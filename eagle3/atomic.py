@@ -72,6 +72,27 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp dir beside `final`; on success it replaces `final` (an older one is removed).
+
+    A killed writer leaves only a `.NAME.*.tmp` dir, which `clean_temp_files` removes.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o777 & ~_UMASK)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:
     with atomic_path(final) as tmp:
         tmp.write_bytes(data)

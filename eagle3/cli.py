@@ -10,8 +10,6 @@ import contextlib
 import json
 import os
 import sys
-from pathlib import Path
-
 from eagle3.lock import RunLock
 
 

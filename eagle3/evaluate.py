@@ -24,7 +24,6 @@ the same prompts: its output is the lossless reference and its wall time the spe
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json

@@ -119,9 +119,9 @@ def test_split_is_stable_when_data_grows(tmp_path, smollm2_dir):
     src = tmp_path / "d.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in GOOD[:30]))
     cfg = PrepareConfig(data=str(src), val_fraction=0.25)
-    a = prepare(smollm2_dir, tmp_path / "a", cfg, progress=False)
+    prepare(smollm2_dir, tmp_path / "a", cfg, progress=False)
     src.write_text("\n".join(json.dumps(r) for r in GOOD))
-    b = prepare(smollm2_dir, tmp_path / "b", cfg, progress=False)
+    prepare(smollm2_dir, tmp_path / "b", cfg, progress=False)
     val_a = set(read_split(tmp_path / "a", "val").column("sample_id").to_pylist())
     val_b = set(read_split(tmp_path / "b", "val").column("sample_id").to_pylist())
     assert val_a and val_a <= val_b

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3.data.normalize import Skip, normalize
-from eagle3.data.readers import Bad, Raw, ReadStats, fingerprint_source, iter_source, resolve_source
+from eagle3.data.readers import Raw, ReadStats, fingerprint_source, iter_source, resolve_source
 
 SG = {"id": "a1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
 OA = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

@@ -205,7 +205,6 @@ def test_speculators_export_layout(trained, tmp_path):
 
 
 def test_warm_start_loads_weights_and_keeps_the_vocab(trained, stages, tmp_path):
-    from eagle3.extract import open_store
     from eagle3.train.checkpoint import BEST, CKPT_DIR
     from eagle3.train.loop import build_draft
     from eagle3.artifacts import HiddenStates

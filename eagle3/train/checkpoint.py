@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.atomic import atomic_write_json, fsync_dir, sha256_file
+from eagle3.atomic import atomic_dir, atomic_write_json, sha256_file
 
 CKPT_DIR = "checkpoints"
 BEST = "best"
@@ -43,19 +42,11 @@ def save(root: Path, name: str, model_state: dict[str, torch.Tensor], state: dic
     base = root / CKPT_DIR
     base.mkdir(parents=True, exist_ok=True)
     final = base / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=base))
-    try:
+    with atomic_dir(final) as tmp:
         save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
         torch.save(state, tmp / "state.pt")
         meta = dict(meta, files={f: sha256_file(tmp / f) for f in ("model.safetensors", "state.pt")})
         atomic_write_json(tmp / "meta.json", meta)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_dir(base)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

@@ -14,15 +14,13 @@ speculative_tokens and the verifier's name_or_path).
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from eagle3.atomic import atomic_write_json, fsync_dir
+from eagle3.atomic import atomic_dir, atomic_write_json
 
 WEIGHTS = "model.safetensors"
 SKIP = ("embed_tokens.weight",)
@@ -51,16 +49,23 @@ def _layer_config(c) -> dict[str, Any]:
     }
 
 
-def vllm_config(c, k: int) -> dict[str, Any]:
+def _eagle_fields(c) -> dict[str, Any]:
+    """The EAGLE-3 keys both formats carry at the top level (the norm switches always explicit)."""
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        **_layer_config(c),
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "norm_before_residual": c.norm_before_residual,
         "norm_before_fc": c.norm_before_fc,
         "norm_output": c.norm_output,
+    }
+
+
+def vllm_config(c, k: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_layer_config(c),
+        **_eagle_fields(c),
         "num_speculative_tokens": k,
         "torch_dtype": "float32",
     }
@@ -71,12 +76,7 @@ def speculators_config(c, k: int, verifier: str) -> dict[str, Any]:
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "transformer_layer_config": _layer_config(c),
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-        "norm_before_residual": c.norm_before_residual,
-        "norm_before_fc": c.norm_before_fc,
-        "norm_output": c.norm_output,
+        **_eagle_fields(c),
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -112,17 +112,7 @@ def export(state: dict[str, torch.Tensor], config, k: int, out: str | Path, fmt:
     cfg = vllm_config(config, k) if fmt == "vllm" else speculators_config(config, k, verifier)
     if extra:
         cfg["eagle3"] = extra
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         save_file(export_state(state, fmt), str(tmp / WEIGHTS), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", cfg)
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
