@@ -16,13 +16,7 @@ from eagle3.train.attention import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: one thread avoids OpenMP barrier waits on the shared 2-core machine (50x here).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def dense_reference(q, k0, v0, kd, vd, doc):

@@ -28,14 +28,7 @@ MAX_NEW = 24
 
 
 # ---------------------------------------------------------------- helpers
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny-model decoding is latency-bound: on a shared 2-core box, 2 OpenMP threads spin against
-    other processes (measured here: 0.6 s vs 9 ms per forward of the tiny Llama)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
