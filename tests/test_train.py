@@ -233,3 +233,23 @@ def test_mismatched_checkpoint_is_refused(trained, stages):
     with pytest.raises(ValueError, match="different config"):
         train(TrainConfig(ttt_steps=3, pack_tokens=192, max_steps=3, threads=1), stages / "hid", stages / "ver",
               out, progress=False)
+
+
+def test_top_cache_equals_recomputing(stages):
+    from eagle3.extract import open_store
+    from eagle3.train.data import collate
+    from eagle3.train.loop import TopCache
+    from eagle3.train.loss import TargetHead
+
+    head = TargetHead.from_verifier(stages / "ver")
+    store = open_store(stages / "hid", "train")
+    cache = TopCache()
+    idx = [3, 0, 5]
+    batch = collate(store, idx, 192)
+    ref_logits, ref_top = head(batch["final"])
+    for _ in range(2):  # a miss fills the cache, a hit reads it
+        logits, top = cache(head, batch, "train", idx)
+        assert torch.equal(logits, ref_logits) and torch.equal(top.long(), ref_top)
+    assert sorted(cache.top) == [("train", 0), ("train", 3), ("train", 5)]
+    other = collate(store, [5, 3], 192)  # cached samples in another pack order
+    assert torch.equal(cache(head, other, "train", [5, 3])[1].long(), head(other["final"])[1])

@@ -104,9 +104,30 @@ def lr_lambda(cfg: TrainConfig, total: int):
     return f
 
 
-def row_pass(model: nn.Module, head: TargetHead, batch: dict[str, torch.Tensor], weights: list[float], amp):
-    """One packed row: k TTT steps and their loss. Returns (TTTLossOutput, draft logits, target top)."""
+class TopCache:
+    """The target's full-vocab argmax per sample, computed once (it costs V/Vd times the draft-vocab
+    logits): later epochs and repeated validations only compute the draft-vocab logits."""
+
+    def __init__(self) -> None:
+        self.top: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __call__(self, head: TargetHead, batch: dict[str, torch.Tensor], split: str, idx: list[int]):
+        keys = [(split, i) for i in idx]
+        if all(k in self.top for k in keys):
+            logits, _ = head(batch["final"], top=False)
+            return logits, torch.cat([self.top[k] for k in keys]).to(logits.device)[None]
+        logits, top = head(batch["final"])
+        lengths = torch.bincount(batch["doc"][0], minlength=len(idx)).tolist()
+        for k, t in zip(keys, top[0].split(lengths)):
+            self.top[k] = t.to("cpu", torch.int32)
+        return logits, top
+
+
+def row_pass(model: nn.Module, head, batch: dict[str, torch.Tensor], weights: list[float], amp):
+    """One packed row: k TTT steps and their loss. Returns (TTTLossOutput, draft logits, target top).
+    `head(final) -> (target logits [1, L, Vd], draft id of the target argmax [1, L])`."""
     target_logits, target_top = head(batch["final"])  # [1, L, Vd] fp32, [1, L] (no grad)
+    target_top = target_top.long()
     with amp:
         logits = model(batch["input_ids"], batch["aux"], batch["position_ids"], batch["doc"])
     out = ttt_loss(logits, target_logits, target_top, batch["loss_mask"], batch["doc"], weights)
@@ -114,7 +135,7 @@ def row_pass(model: nn.Module, head: TargetHead, batch: dict[str, torch.Tensor],
 
 
 @torch.no_grad()
-def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, weights, amp) -> dict[str, Any]:
+def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, weights, amp, cache: TopCache) -> dict[str, Any]:
     """Loss, per-step top-1 and simulated tau over the validation split (all ranks, summed)."""
     if store is None or len(store) == 0:
         return {}
@@ -124,7 +145,7 @@ def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, weights, amp) -
     model.eval()
     for i in range(d.rank, len(packs), d.world):
         batch = collate(store, packs[i], cfg.pack_tokens, d.device)
-        out, logits, top = row_pass(model, head, batch, weights, amp)
+        out, logits, top = row_pass(model, lambda f: cache(head, batch, "val", packs[i]), batch, weights, amp)
         chain = chain_acceptance(logits, top, batch["loss_mask"], batch["doc"])
         m.add(out, chain, rows=1, tokens=batch["input_ids"].numel())
     model.train()
@@ -224,11 +245,12 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         dist.barrier()
 
     last_val = -1
+    tops = TopCache()
 
     def run_validation() -> None:
         nonlocal best, last_val
         last_val = pos.step
-        v = validate(model, head, val_store, cfg, d, weights, amp)
+        v = validate(model, head, val_store, cfg, d, weights, amp, tops)
         if not v:
             return
         if d.main:
@@ -257,7 +279,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                 batch = collate(train_store, idx, cfg.pack_tokens, d.device)
                 sync = a == len(rows) - 1 or not hasattr(model, "no_sync")
                 with (nullcontext() if sync else model.no_sync()):
-                    out_, _, _ = row_pass(model, head, batch, weights, amp)
+                    out_, _, _ = row_pass(model, lambda f: tops(head, batch, "train", idx), batch, weights, amp)
                     (out_.loss / cfg.grad_accum).backward()
                 window.add(out_, None, rows=1, tokens=batch["input_ids"].numel())
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

@@ -71,12 +71,18 @@ class TargetHead(torch.nn.Module):
         return cls(t["norm"], man.rms_norm_eps if eps is None else eps, t["lm_head"], t["d2t"], chunk)
 
     @torch.no_grad()
-    def forward(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, final: torch.Tensor, top: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """final: [..., H] pre-norm last-layer states -> (logits over the draft vocab [..., Vd] fp32,
-        draft id of the target's full-vocab argmax [...], -1 where it is outside the draft vocab)."""
+        draft id of the target's full-vocab argmax [...], -1 where it is outside the draft vocab).
+
+        The argmax costs L x V x H (V/Vd times the draft logits); `top=False` skips it (None)
+        for callers that already know it (the trainer caches it per sample).
+        """
         x = final.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight  # RMSNorm
         logits = x @ self.lm_head_draft.T
+        if not top:
+            return logits, None
         flat = x.reshape(-1, x.shape[-1])
         # full-vocab argmax in chunks of rows: never more than chunk x V logits alive
         top = torch.cat([(c @ self.lm_head.T).argmax(-1) for c in flat.split(self.chunk)]) if flat.numel() else flat.new_zeros(0, dtype=torch.long)
