@@ -29,6 +29,29 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def sha256_file_cached(path: str | os.PathLike) -> str:
+    """sha256_file, remembered across processes by (path, size, mtime, inode) in
+    $EAGLE3_CACHE_DIR (default ~/.cache/eagle3). A 600 GB checkpoint is hashed once per version
+    of its files, not on every pipeline run; any rewrite of a file changes its mtime and so its key."""
+    p = Path(path).resolve()
+    st = p.stat()
+    key = f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    cache = Path(os.environ.get("EAGLE3_CACHE_DIR", Path.home() / ".cache" / "eagle3")) / "sha256.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    digest = sha256_file(p)
+    known[key] = digest
+    try:
+        atomic_write_json(cache, known)
+    except OSError:  # a read-only home is no reason to fail a run
+        pass
+    return digest
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -75,3 +75,15 @@ def test_verify_names_corrupt_truncated_and_missing_files(tmp_path, smollm2_dir)
     assert f"{shards[0]}: sha256 differs" in bad.stdout and f"{shards[1]}: sha256 differs" in bad.stdout
     assert "vocab_map.safetensors: missing" in bad.stdout
     assert sum(ln.startswith("    ") for ln in bad.stdout.splitlines()) == 3  # only those three
+
+
+def test_sha256_cache_survives_processes_and_follows_rewrites(tmp_path, monkeypatch):
+    from eagle3.atomic import sha256_file, sha256_file_cached
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"a" * 1000)
+    assert sha256_file_cached(f) == sha256_file(f)
+    assert len(json.loads((tmp_path / "cache" / "sha256.json").read_text())) == 1
+    f.write_bytes(b"b" * 1001)  # a rewrite changes size/mtime: a new key, a fresh hash
+    assert sha256_file_cached(f) == sha256_file(f)

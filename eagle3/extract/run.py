@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3.artifacts import HiddenShardInfo, HiddenStates, PreparedData
-from eagle3.atomic import atomic_path, clean_temp_files, sha256_bytes, sha256_file
+from eagle3.atomic import atomic_path, clean_temp_files, sha256_bytes, sha256_file, sha256_file_cached
 from eagle3.config import ExtractConfig
 from eagle3.extract.store import (
     FORMAT_VERSION,
@@ -82,8 +82,8 @@ _FP_MEMO: dict[tuple, str] = {}
 def model_fingerprint(model_dir: str | Path) -> str:
     """Content hash of the target: config.json and every weight file (sha256 of their bytes).
 
-    Memoized per process on (path, size, mtime) of each file: hashing a large model's weights
-    takes a while, and a retry or a second stage in the same process should not pay it again.
+    Memoized per process, and each file's hash across processes (`sha256_file_cached`): hashing
+    a large model's weights takes minutes and must not be paid on every run.
     """
     d = Path(model_dir)
     if not d.is_dir():
@@ -93,7 +93,7 @@ def model_fingerprint(model_dir: str | Path) -> str:
         raise ValueError(f"{model_dir}: no weight files (*.safetensors / *.bin)")
     key = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     if key not in _FP_MEMO:
-        _FP_MEMO[key] = sha256_bytes("".join(f"{p.name}:{sha256_file(p)}\n" for p in files).encode())
+        _FP_MEMO[key] = sha256_bytes("".join(f"{p.name}:{sha256_file_cached(p)}\n" for p in files).encode())
     return _FP_MEMO[key]
 
 
