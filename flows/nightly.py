@@ -40,17 +40,18 @@ def nightly(config: NightlyConfig = NightlyConfig()) -> dict:
     """Retrain on every conversation so far, warm-started from the promoted draft; promote it if tau holds."""
     root = Path(config.root)
     run_dir = root / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    current = promoted(config)
+    current = promoted(config)  # None on the very first night: a cold start
     earlier = earlier_extracts(root, current)
-    base = config.base
-    cfg = base.model_copy(update={
-        "run_dir": str(run_dir),
-        # A warm start keeps the promoted draft's d2t/t2d: the vocab map is copied, never rebuilt.
-        "prepare": base.prepare.model_copy(update={"data": collect(config.conversations, run_dir),
-                                                   "vocab_from": current and f"{current['run_dir']}/prepare"}),
-        "train": base.train.model_copy(update={"init_from": current and current["draft"]}),
-    })
-    d, report = run_stages(cfg, reuse=earlier)
+
+    # A warm start keeps the promoted draft's d2t/t2d: prepare copies its vocab map, never rebuilds it.
+    b = config.base
+    data = collect(config.conversations, run_dir)
+    vocab_from = f"{current['run_dir']}/prepare" if current else None
+    init_from = current["draft"] if current else None
+    cfg = b.model_copy(update={"run_dir": str(run_dir),
+                               "prepare": b.prepare.model_copy(update={"data": data, "vocab_from": vocab_from}),
+                               "train": b.train.model_copy(update={"init_from": init_from})})
+    d, report = run_stages(cfg, reuse=earlier)  # extracts only the samples `earlier` does not hold
 
     new = {"run_dir": str(run_dir), "draft": d["final"], "tau": report.acceptance_length}
     promote = current is None or new["tau"] >= current["tau"] - config.margin
@@ -58,7 +59,7 @@ def nightly(config: NightlyConfig = NightlyConfig()) -> dict:
         atomic_write_json(root / "promoted.json", new)
     create_markdown_artifact(decision_markdown(new, current, promote, config.margin, d, earlier),
                              key="eagle3-nightly-promotion", description="eagle3 nightly: promotion decision")
-    return {**new, "promoted": promote, "previous_tau": current and current["tau"]}
+    return {**new, "promoted": promote, "previous_tau": current["tau"] if current else None}
 
 
 def promoted(config: NightlyConfig) -> dict | None:

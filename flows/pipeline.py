@@ -32,7 +32,12 @@ def _stages(config: PipelineConfig, reuse: list[str] | None) -> tuple[dict[str, 
     preflight(config)
 
     # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/stages.py); else run here.
-    prepared = run_stage("prepare", d["prepare"], model=model, cfg=config.prepare)
+    prep_cfg = config.prepare
+    if config.regenerate is not None:  # optional stage 0: prepare reads the target's own answers instead
+        from tasks.regenerate import regenerate_stage
+
+        _, prep_cfg = regenerate_stage(config)
+    prepared = run_stage("prepare", d["prepare"], model=model, cfg=prep_cfg)
     hidden = run_stage("extract", d["extract"], model=model, prepared=d["prepare"], cfg=config.extract,
                        reuse=reuse, wait_for=[prepared])
     verifier = run_stage("verifier", d["verifier"], model=model, prepared=d["prepare"], wait_for=[prepared])
@@ -59,11 +64,14 @@ def preflight(config: PipelineConfig) -> None:
 
 
 def summarize(config, d, prepared, hidden, verifier, trained, report) -> None:
+    """The run's artifacts: a table of every stage dir, the draft and the report; the figures in markdown."""
     rows = [
         {"stage": s, "dir": d[s], "fingerprint": m.fingerprint[:16]}
         for s, m in (("prepare", prepared), ("extract", hidden), ("verifier", verifier), ("train", trained),
                      ("eval", report))
     ]
+    rows += [{"stage": "draft", "dir": f"{d['train']}/{trained.final_dir}", "fingerprint": trained.weights_sha256[:16]},
+             {"stage": "report", "dir": f"{d['eval']}/{report.report_file}", "fingerprint": report.fingerprint[:16]}]
     create_table_artifact(rows, key="eagle3-run-stages", description=f"eagle3 run {config.run_dir}: stage dirs")
     md = [f"# eagle3 run `{config.run_dir}`", "",
           f"**tau = {report.acceptance_length:.3f}** at k={report.k} on {report.num_prompts} prompts; "

@@ -38,7 +38,9 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
     deployment = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
     if not deployment or name not in GPU_STAGES:
         return fresh(task, manifest_cls, out)(out=out, wait_for=wait_for, **inputs)
-    params = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in {**inputs, "out": out}.items()}
+    # Deployment parameters are JSON: configs go as dicts, the stage flow validates them again.
+    params = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}
+    params["out"] = out
     run = run_deployment(f"eagle3-{name}/{deployment}", parameters=params, poll_interval=2)
     if run.state is None or not run.state.is_completed():
         raise RuntimeError(f"stage {name}: flow run {run.name} of eagle3-{name}/{deployment} ended "

@@ -56,18 +56,20 @@ def _stop(p: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def service(request, tmp_path_factory):
     """`prefect server start` on loopback, pools + limit from deployments/setup.py, one worker per pool, deployments."""
     home = tmp_path_factory.mktemp("prefect-service")
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO", "EAGLE3_REPO": str(REPO)}
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "EAGLE3_REPO": str(REPO)}
     env.pop("EAGLE3_FAIL_ONCE", None)
     env.pop("EAGLE3_GPU_DEPLOYMENT", None)
+    t0 = time.time()
     procs = [_start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                     env, home / "server.log")]
     try:
+        request.getfixturevalue("tiny_llama_dir")  # built while the server boots
         deadline = time.time() + 120
         while True:
             assert procs[0].poll() is None, (home / "server.log").read_text()[-3000:]
@@ -78,16 +80,20 @@ def service(tmp_path_factory):
                 pass
             assert time.time() < deadline, "prefect server did not come up in 120 s"
             time.sleep(0.5)
+        t_server = time.time() - t0
         r = subprocess.run([sys.executable, "deployments/setup.py", "--gpus", "8"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
+        # Deploy (it imports every flow) while the workers boot.
+        deploy = _start([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
+                         "deployments/prefect.yaml"], env, home / "deploy.log", cwd=REPO)
+        procs.append(deploy)
         marker = home / "extract-failed-once"
         for pool, extra in (("cpu", {}), ("gpu", {"EAGLE3_FAIL_ONCE": f"extract:{marker}"})):
             procs.append(_start([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--name", f"test-{pool}"],
                                 {**env, **extra}, home / f"worker-{pool}.log", cwd=REPO))
-        r = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
-                            "deployments/prefect.yaml"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert deploy.wait(180) == 0, (home / "deploy.log").read_text()[-4000:]
+        print(f"\nserver up in {t_server:.1f} s; pools, limit, workers and deployments in {time.time() - t0:.1f} s")
         yield {"url": url, "home": home, "marker": marker}
     finally:
         for p in reversed(procs):
@@ -142,6 +148,23 @@ def logs(client, run) -> str:
     return "\n".join(x.message for x in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))))
 
 
+def gpu_slot_events(client, phase: str, expect: int = 5, timeout: float = 30) -> dict[str, int]:
+    """Slots taken (or given back) per acquisition of the `gpus` limit, from the server's event log."""
+    from collections import Counter
+
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    deadline = time.time() + timeout
+    while True:  # the server persists events in batches
+        flt = EventFilter(event=EventNameFilter(name=[f"prefect.concurrency-limit.{phase}"]))
+        page = client.read_events(flt, limit=50)  # the server's maximum (the client's default, 100, is refused)
+        slots = Counter(e.resource["slots-acquired"] for e in page.events
+                        if e.resource.get("prefect.resource.name") == "gpus")
+        if sum(slots.values()) >= expect or time.time() > deadline:
+            return dict(slots)
+        time.sleep(1)
+
+
 def _chat(i: int) -> dict:
     return {"conversations": [{"from": "human", "value": f"question {i}: what is {i} plus {i}?"},
                               {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. " * 3}]}
@@ -191,8 +214,8 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     assert run_a.state.is_completed(), logs(client, run_a)[-4000:]
     assert run_a.work_pool_name == "cpu"
     children = subflows(client, run_a)
-    flows = {client.read_flow(c.flow_id).name: c for c in children}
-    assert set(flows) == {"eagle3-extract", "eagle3-train", "eagle3-eval"}
+    by_flow = {client.read_flow(c.flow_id).name: c for c in children}
+    assert set(by_flow) == {"eagle3-extract", "eagle3-train", "eagle3-eval"}
     assert {c.work_pool_name for c in children} == {"gpu"} and {c.state.name for c in children} == {"Completed"}
     runs_a = task_runs(client, run_a, *children)
     assert sorted(runs_a) == sorted(STAGES) and {t.state.name for t in runs_a.values()} == {"Completed"}
@@ -205,19 +228,22 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     assert len(hidden.shards) >= 6 and 1 <= hidden.stats["shards_skipped"] < len(hidden.shards)
     assert hidden.stats["shards_written"] == len(hidden.shards) - hidden.stats["shards_skipped"]
     assert hidden.stats["tokens_computed"] < hidden.num_tokens
-    assert "injected transient failure" in logs(client, flows["eagle3-extract"])
+    assert "injected transient failure" in logs(client, by_flow["eagle3-extract"])
 
     # A's artifacts, read back through the API: the run summary (in the flow) and the stages' own.
     arts = artifacts(client, run_a)
     report = EvalReport.read(cfg.stage_dir("eval"))
     rows = {r["stage"]: r for r in json.loads(arts["eagle3-run-stages"].data)}
     assert {s: rows[s]["dir"] for s in STAGES} == {s: str(cfg.stage_dir(s)) for s in STAGES}
+    assert (rows["draft"]["dir"], rows["report"]["dir"]) == (f"{cfg.stage_dir('train')}/final",
+                                                             f"{cfg.stage_dir('eval')}/report.json")
     assert f"**tau = {report.acceptance_length:.3f}**" in arts["eagle3-run-summary"].data
     assert f"| shards resumed (already committed) | {hidden.stats['shards_skipped']} |" in \
         arts["eagle3-run-summary"].data
-    stats = {r["what"]: r["value"] for r in json.loads(artifacts(client, flows["eagle3-extract"])["extract-stats"].data)}
+    extract_arts = artifacts(client, by_flow["eagle3-extract"])
+    stats = {r["what"]: r["value"] for r in json.loads(extract_arts["extract-stats"].data)}
     assert stats["shards resumed (already committed)"] == hidden.stats["shards_skipped"]
-    assert "eval-results" in artifacts(client, flows["eagle3-eval"])
+    assert "eval-results" in artifacts(client, by_flow["eagle3-eval"])
     t_a = time.time() - t0
 
     # B: unchanged inputs, stages in this run's process: every stage is served from the cache,
@@ -232,7 +258,7 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
 
     # C: nightly, seeded with run A, one new conversation: only the new sample is extracted.
     (data / "day2.jsonl").write_text(json.dumps(_chat(100)) + "\n")
-    root = cfg.stage_dir("x").parent.parent / "nightly"
+    root = Path(cfg.run_dir).parent / "nightly"
     night_params = {"config": {"conversations": str(data), "root": str(root), "margin": 0.25,
                                "seed_run": cfg.run_dir, "base": cfg.model_dump(mode="json")}}
     run_c = trigger(client, "eagle3-nightly/eagle3-nightly", night_params, local)
@@ -260,4 +286,47 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     if promote:
         assert json.loads((root / "promoted.json").read_text())["tau"] == new_tau
     t_c = time.time() - t0 - t_a - t_b
+
+    # The `gpus` limit: held by extraction (both attempts) and training, all 8 slots on the gpu pool
+    # (its 8 visible devices), 1 slot where the stages ran on the cpu pool; every slot given back.
+    assert gpu_slot_events(client, "acquired") == gpu_slot_events(client, "released") == {"8": 3, "1": 2}
+    assert client.read_global_concurrency_limit_by_name("gpus").active_slots == 0
     print(f"\nrun A (hop + retry) {t_a:.1f} s, run B (cached) {t_b:.1f} s, nightly {t_c:.1f} s")
+
+
+def test_nightly_sources_reuse_and_promoted_draft(tmp_path):
+    """The nightly flow's plumbing, without a server: glob sources, which dirs it reuses, which draft is promoted."""
+    from eagle3.artifacts import EvalReport, HiddenStates, TrainedDraft
+    from eagle3.atomic import atomic_write_json
+    from flows.nightly import NightlyConfig, collect, earlier_extracts, promoted
+
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    for name in ("b.jsonl", "a.jsonl", "notes.txt"):
+        (inbox / name).write_text(name)
+    assert collect(str(inbox), tmp_path / "n0") == str(inbox)  # a directory is read as is
+    links = sorted(Path(collect(f"{inbox}/*.jsonl", tmp_path / "n1")).iterdir())
+    assert [(p.name, p.read_text()) for p in links] == [("000000-a.jsonl", "a.jsonl"), ("000001-b.jsonl", "b.jsonl")]
+    with pytest.raises(ValueError, match="nothing matches"):
+        collect(f"{inbox}/*.parquet", tmp_path / "n2")
+
+    root, seed = tmp_path / "nightly", tmp_path / "seed"
+    for night in ("20260101-020000", "20260102-020000"):
+        HiddenStates().write(root / night / "extract")
+    (root / "20260103-020000" / "extract").mkdir(parents=True)  # a night that died before extraction finished
+    HiddenStates().write(seed / "extract")
+    TrainedDraft().write(seed / "train")
+    EvalReport(acceptance_length=1.5).write(seed / "eval")
+    latest = str(root / "20260102-020000" / "extract")
+    assert earlier_extracts(root, None) == [latest]
+    assert earlier_extracts(root, {"run_dir": str(seed)}) == [latest, str(seed / "extract")]
+
+    cfg = NightlyConfig(root=str(root))
+    assert promoted(cfg) is None  # the first night trains cold and builds the vocab map
+    cfg = NightlyConfig(root=str(root), seed_run=str(seed))
+    assert promoted(cfg) == {"run_dir": str(seed), "draft": str(seed / "train" / "final"), "tau": 1.5}
+    record = {"run_dir": latest, "draft": "x/final", "tau": 2.0}
+    atomic_write_json(root / "promoted.json", record)
+    assert promoted(cfg) == record  # once something is promoted, the seed no longer matters
+    with pytest.raises(ValueError):
+        NightlyConfig(margin=-0.1)
