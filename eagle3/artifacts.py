@@ -307,5 +307,6 @@ class RegeneratedData(StageManifest):
     def _content(self) -> dict[str, Any]:
         c = self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "stats", *self.volatile})
         c["config"] = {k: v for k, v in c["config"].items()
-                       if k not in ("chunk_records", "batch_size", "tensor_parallel_size", "gpu_memory_utilization")}
+                       if k not in ("chunk_records", "batch_size", "batch_tokens", "tensor_parallel_size",
+                                "gpu_memory_utilization")}
         return c

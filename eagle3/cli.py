@@ -284,6 +284,7 @@ def _add_regenerate(sub) -> None:
     p.add_argument("--same-role", choices=["merge", "drop"], default="merge", help="as in prepare")
     p.add_argument("--chunk-records", type=int, default=64, help="records per committed chunk (resume unit)")
     p.add_argument("--batch-size", type=int, default=8, help="hf: sequences decoded together (default 8)")
+    p.add_argument("--batch-tokens", type=int, default=32768, help="hf: padded prompt tokens per batch at most")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: fp32 on CPU, bf16 on CUDA / vLLM")
     p.add_argument("--reuse", action="append", default=[], metavar="DIR",
@@ -307,7 +308,7 @@ def _cmd_regenerate(a) -> None:
         torch.set_num_threads(a.threads)
     cfg = RegenConfig(backend=a.backend, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                       seed=a.seed, reasoning=a.reasoning, max_len=a.max_len, limit=a.limit, same_role=a.same_role,
-                      chunk_records=a.chunk_records, batch_size=a.batch_size, dtype=a.dtype,
+                      chunk_records=a.chunk_records, batch_size=a.batch_size, batch_tokens=a.batch_tokens, dtype=a.dtype,
                       tensor_parallel_size=a.tp, gpu_memory_utilization=a.gpu_memory_utilization)
 
     def progress(p: dict) -> None:

@@ -201,6 +201,9 @@ class RegenConfig(_Cfg):
     same_role: Literal["merge", "drop"] = Field("merge", description="as in prepare: consecutive same-role turns")
     chunk_records: int = Field(64, ge=1, description="records per committed chunk (the resume unit)")
     batch_size: int = Field(8, ge=1, description="hf: sequences decoded together")
+    batch_tokens: int = Field(
+        32768, ge=64, description="hf: padded prompt tokens of one batch at most (long prompts get smaller batches)"
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="hf: auto = fp32 on CPU (faster there), bf16 on CUDA; vllm: auto = bf16"
     )
@@ -210,8 +213,9 @@ class RegenConfig(_Cfg):
     def settings(self, dtype: str, max_len: int) -> dict:
         """What changes the regenerated text: part of every record's provenance and reuse key.
 
-        `dtype`/`max_len` are the resolved values. The seed only matters when sampling; batch and
-        chunk sizes are left out (greedy output does not depend on them, see eagle3/regenerate.py).
+        `dtype`/`max_len` are the resolved values. The seed and top_p only matter when sampling. Batch
+        and chunk sizes are left out: they change speed, and the output only through floating-point
+        near-ties (measured in tests/test_regenerate.py and benchmarks/regenerate.py).
         """
         return {
             "backend": self.backend, "dtype": dtype, "max_new_tokens": self.max_new_tokens,

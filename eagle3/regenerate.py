@@ -39,7 +39,6 @@ import logging
 import os
 import re
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,12 +114,23 @@ class HFGenerator:
         # Longest first and similar lengths together: little padding, and the largest KV cache early.
         order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
         out: list[Gen | None] = [None] * len(prompts)
-        b = self.cfg.batch_size
-        for s in range(0, len(order), b):
-            idx = order[s : s + b]
+        for idx in self.batches([len(prompts[i]) for i in order]):
+            idx = [order[k] for k in idx]
             for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx])):
                 out[i] = g
         return out  # type: ignore[return-value]
+
+    def batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Consecutive runs of `lengths` (longest first) with <= batch_size rows and <= batch_tokens padded tokens."""
+        res: list[list[int]] = []
+        for k, n in enumerate(lengths):
+            cur = res[-1] if res else None
+            # the first row of a batch is its longest: padded size = rows x that length
+            if cur is None or len(cur) >= self.cfg.batch_size or (len(cur) + 1) * lengths[cur[0]] > self.cfg.batch_tokens:
+                res.append([k])
+            else:
+                cur.append(k)
+        return res
 
     def _pick(self, logits: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
         """Next token per row. logits [b, V] -> ids [b]."""
@@ -318,9 +328,7 @@ class ReuseIndex:
         f = d / OUT_FILE
         if not f.is_file():
             raise ValueError(f"--reuse {d}: no {OUT_FILE} (not a regenerate output dir)")
-        limit = None
-        if not (d / MANIFEST).is_file() and (d / PROGRESS).is_file():
-            limit = int(json.loads((d / PROGRESS).read_text()).get("bytes", 0))
+        limit = None if (d / MANIFEST).is_file() else _committed_bytes(d / PROGRESS)
         return self.add_file(f, limit)
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -328,10 +336,21 @@ class ReuseIndex:
         if hit is None:
             return None
         path, off, n = hit
-        with open(path, "rb") as f:
-            f.seek(off)
-            rec = json.loads(f.read(n))
-        return rec if rec.get("provenance", {}).get("key") == key else None
+        try:  # the file may have been rewritten since it was indexed: then the key check fails
+            with open(path, "rb") as f:
+                f.seek(off)
+                rec = json.loads(f.read(n))
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) and rec.get("provenance", {}).get("key") == key else None
+
+
+def _committed_bytes(progress: Path) -> int:
+    """Length of the committed part of an unfinished output (0 when unknown)."""
+    try:
+        return int(json.loads(progress.read_text()).get("bytes", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 # ================================================================ driver
@@ -352,24 +371,23 @@ def _open_state(out: Path, signature: str, reuse: ReuseIndex) -> _State:
                 reuse.add_file(prev)
             return st
     # A different run (or none) was here: what it committed may still be reused.
+    finished = (out / MANIFEST).is_file()
+    (out / MANIFEST).unlink(missing_ok=True)  # first: a manifest must never describe a file being replaced
     if f.is_file():
-        committed = None
-        if not (out / MANIFEST).is_file():
-            committed = int(json.loads(prog.read_text()).get("bytes", 0)) if prog.is_file() else 0
-        if committed != 0:
+        size = f.stat().st_size
+        committed = size if finished else min(_committed_bytes(prog), size)
+        if committed > 0:
             with open(f, "rb+") as fh:
-                if committed is not None:
-                    fh.truncate(committed)
+                fh.truncate(committed)
                 os.fsync(fh.fileno())
             os.replace(f, prev)  # replaces an even older .previous.jsonl: this one has all we kept
         else:
             f.unlink()
     if prev.is_file():
         reuse.add_file(prev)
-    (out / MANIFEST).unlink(missing_ok=True)
     st = _State(signature=signature)
+    atomic_write_json(prog, st.__dict__)  # before the empty file: a crash in between starts over cleanly
     f.write_bytes(b"")
-    atomic_write_json(prog, st.__dict__)
     return st
 
 
@@ -435,8 +453,8 @@ def regenerate(
             index.add_dir(d)
     st = _open_state(out, signature, index)
     resumed_records, resumed_bytes = st.records_written, st.bytes
-    t0, gen_s, tokens0 = time.perf_counter(), 0.0, 0
-    reused = generated_tokens = 0
+    t0, gen_s = time.perf_counter(), 0.0
+    reused = generated_tokens = prompt_tokens = 0
     read_stats = ReadStats()
 
     for start, chunk in _chunks(src, read_stats, cfg.chunk_records, cfg.limit):
@@ -467,9 +485,10 @@ def regenerate(
             slots.append((i, c))
 
         t = time.perf_counter()
-        ntok = _run_waves(convs, generator, tok, cfg, max_len)
+        ntok, nprompt = _run_waves(convs, generator, tok, cfg, max_len)
         gen_s += time.perf_counter() - t
         generated_tokens += ntok
+        prompt_tokens += nprompt
 
         for i, s in slots:
             if isinstance(s, dict):  # reused
@@ -506,7 +525,8 @@ def regenerate(
         sha256=sha256_file(out / OUT_FILE), records_read=st.records_read, records_written=st.records_written,
         skipped=dict(sorted(st.skipped.items())), skip_examples=st.skip_examples, turns_written=st.turns_written,
         turns_cut=st.turns_cut, conversations_shortened=st.shortened, samples=st.samples,
-        stats={"tokens_generated": generated_tokens, "generate_seconds": round(gen_s, 3),
+        stats={"tokens_generated": generated_tokens, "prompt_tokens": prompt_tokens,
+               "generate_seconds": round(gen_s, 3),
                "tokens_per_second": round(generated_tokens / gen_s, 2) if gen_s else 0.0,
                "wall_seconds": round(wall, 3), "records_reused": reused, "records_resumed": resumed_records,
                "bytes_resumed": resumed_bytes, "unreadable_tail_bytes": read_stats.unreadable_tail_bytes},
@@ -519,12 +539,12 @@ def regenerate(
     return m
 
 
-def _run_waves(convs: list[_Conv], gen: Generator, tok, cfg: RegenConfig, max_len: int) -> int:
+def _run_waves(convs: list[_Conv], gen: Generator, tok, cfg: RegenConfig, max_len: int) -> tuple[int, int]:
     """Generate every turn of `convs`: wave t answers user turn t of each conversation still open.
 
-    Returns the number of tokens generated (stop tokens included: they were computed too).
+    Returns (tokens generated (stop tokens included: they were computed too), prompt tokens prefilled).
     """
-    ntok = 0
+    ntok = nprompt = 0
     t = 0
     while True:
         wave, prompts, seeds = [], [], []
@@ -543,7 +563,8 @@ def _run_waves(convs: list[_Conv], gen: Generator, tok, cfg: RegenConfig, max_le
             prompts.append(ids)
             seeds.append(turn_seed(cfg.seed, c.key, t))
         if not wave:
-            return ntok
+            return ntok, nprompt
+        nprompt += sum(map(len, prompts))
         outs = gen.generate(prompts, seeds)
         if len(outs) != len(wave):
             raise RuntimeError(f"backend {gen.name} returned {len(outs)} answers for {len(wave)} prompts")
