@@ -61,13 +61,18 @@ def extract_task(
     """Store the target's aux + final hidden states of the prepared samples (a retry resumes)."""
     log = get_run_logger()
     art = create_progress_artifact(0.0, description="eagle3 extract: share of tokens done")
-    last = [0.0]
+    last, logged, t0 = [0.0], [time.monotonic()], time.monotonic()
 
     def progress(done: int, total: int) -> None:
         now = time.monotonic()
         if total and (now - last[0] > 5 or done == total):
             last[0] = now
             update_progress_artifact(art, 100.0 * done / total)
+        if total and done and (now - logged[0] > 60 or done == total):  # a log line a minute: tok/s, ETA
+            logged[0] = now
+            rate = done / max(now - t0, 1e-9)
+            log.info("extract: %d/%d tokens (%.0f%%), %.0f tok/s, ETA %.0f s", done, total, 100 * done / total,
+                     rate, (total - done) / max(rate, 1e-9))
         if done >= total / 2:
             fail_once("extract")  # a drill, when EAGLE3_FAIL_ONCE asks for one
 
