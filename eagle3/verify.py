@@ -31,7 +31,7 @@ def _files(kind: str, d: Path, m: dict) -> list[tuple[Path, str]]:
         out += [(d / s["file"], s["sha256"]) for s in m["shards"]]
         if m.get("index_sha256"):
             out.append((d / m["index_file"], m["index_sha256"]))
-    elif kind == "verifier":
+    elif kind in ("verifier", "regenerate"):
         out.append((d / m["file"], m["sha256"]))
     elif kind == "train":
         out.append((d / m["final_dir"] / "model.safetensors", m["weights_sha256"]))

@@ -1,0 +1,75 @@
+"""Regenerate (hf backend) on real data: ShareGPT conversations through SmolLM2 on this CPU.
+
+For each batch size the whole stage runs on the same records into its own dir (same model loaded
+once). Prints, per batch size: generated tokens, generation seconds, tokens/s (generated tokens /
+time inside the backend), and whether its file is byte-identical to batch size 1's (which is
+single-sequence greedy, exact by construction) -- the honest measure of near-tie flips caused by
+padded batching. Also prints the load average, since the CPU is shared. Last line: one JSON object.
+
+    .venv/bin/python benchmarks/regenerate.py [--data sharegpt|mt-bench|FILE] [--limit 6] [--max-new-tokens 64]
+                                              [--batch-sizes 1,4,8] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from eagle3.assets import materialize_smollm2  # noqa: E402
+from eagle3.config import RegenConfig  # noqa: E402
+from eagle3.regenerate import OUT_FILE, load_hf, regenerate  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(REPO / "assets" / "smollm2"))
+    ap.add_argument("--data", default="sharegpt")
+    ap.add_argument("--limit", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", default="1,4,8")
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model = materialize_smollm2(a.model) if a.model == str(REPO / "assets" / "smollm2") else Path(a.model)
+    gen, _ = load_hf(model, RegenConfig())
+    rows, first = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        data = a.data
+        if data == "mt-bench":  # short prompts: MT-Bench's two user turns, with placeholder answers to replace
+            from eagle3.evaluate import mtbench_path
+
+            data = str(Path(tmp) / "mt_bench.jsonl")
+            with open(mtbench_path()) as f, open(data, "w") as g:
+                for line in f:
+                    q = json.loads(line)
+                    msgs = [m for t in q["turns"] for m in ({"role": "user", "content": t},
+                                                             {"role": "assistant", "content": "-"})]
+                    g.write(json.dumps({"id": str(q["question_id"]), "messages": msgs}) + "\n")
+        for bs in [int(x) for x in a.batch_sizes.split(",")]:
+            cfg = RegenConfig(max_new_tokens=a.max_new_tokens, limit=a.limit, batch_size=bs, chunk_records=a.limit)
+            gen.cfg = cfg
+            out = Path(tmp) / f"bs{bs}"
+            m = regenerate(model, data, out, cfg, generator=gen)
+            blob = (out / OUT_FILE).read_bytes()
+            first = first if first is not None else blob
+            row = {"batch_size": bs, "records": m.records_written, "turns": m.turns_written,
+                   "tokens": m.stats["tokens_generated"], "prompt_tokens": m.stats["prompt_tokens"],
+                   "seconds": m.stats["generate_seconds"],
+                   "tokens_per_second": m.stats["tokens_per_second"], "same_file_as_first": blob == first}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"model": str(model), "data": a.data, "limit": a.limit, "max_new_tokens": a.max_new_tokens,
+                      "threads": torch.get_num_threads(), "loadavg": os.getloadavg(), "runs": rows}))
+
+
+if __name__ == "__main__":
+    main()

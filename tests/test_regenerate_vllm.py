@@ -1,0 +1,120 @@
+"""The vLLM backend of eagle3 regenerate: on CPU against a fake that follows vLLM's contract; on a GPU for real."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from eagle3.config import RegenConfig
+from eagle3.regenerate import Gen, read_records, regenerate
+from tests import fake_vllm_generate as fake
+from tests.test_regenerate import check_equal_to_target, one_thread, write_source  # noqa: F401 (autouse fixture)
+
+
+def test_vllm_backend_equals_hf_backend_and_target_greedy(tmp_path, tiny_llama_dir, monkeypatch):
+    fake.install(monkeypatch)
+    src = write_source(tmp_path / "src.jsonl", 6)  # r0, r3 have two turns
+    cfg = RegenConfig(backend="vllm", max_new_tokens=10, tensor_parallel_size=2, gpu_memory_utilization=0.5)
+    m = regenerate(tiny_llama_dir, str(src), tmp_path / "vllm", cfg)
+    (llm,) = fake.LLM.instances
+    assert llm.kwargs == {"model": str(tiny_llama_dir), "tensor_parallel_size": 2, "dtype": "bfloat16", "seed": 0,
+                          "gpu_memory_utilization": 0.5, "max_model_len": 4096, "enable_prefix_caching": True}
+    assert llm.calls == [6, 2]  # one generate call per wave: continuous batching inside vLLM
+    assert (m.backend, m.settings["backend"], m.settings["dtype"]) == ("vllm", "vllm", "bfloat16")
+    assert (m.records_written, m.turns_written) == (6, 8)
+    hf = regenerate(tiny_llama_dir, str(src), tmp_path / "hf", RegenConfig(max_new_tokens=10))
+    assert [r["messages"] for r in read_records(tmp_path / "vllm")] == [r["messages"] for r in read_records(tmp_path / "hf")]
+    assert hf.settings["backend"] == "hf" and read_records(tmp_path / "vllm")[0]["provenance"]["key"] != \
+        read_records(tmp_path / "hf")[0]["provenance"]["key"]  # another backend/dtype: never reused for the other
+    assert check_equal_to_target(tiny_llama_dir, tmp_path / "vllm", 10) == 8
+
+
+def test_vllm_outputs_stop_tokens_order_and_seeds(tiny_llama_dir, monkeypatch):
+    from eagle3.regenerate_vllm import VllmGenerator
+
+    fake.install(monkeypatch)
+    eos = {2, 7}
+    g = VllmGenerator(tiny_llama_dir, RegenConfig(backend="vllm", max_new_tokens=4, temperature=0.5, seed=3), 4096, eos)
+    sp = g.params([11, 12])
+    assert [(p.temperature, p.seed, p.max_tokens, sorted(p.stop_token_ids), p.detokenize) for p in sp] == \
+        [(0.5, 11, 4, [2, 7], False), (0.5, 12, 4, [2, 7], False)]
+    greedy = VllmGenerator(tiny_llama_dir, RegenConfig(backend="vllm"), 4096, eos).params([5])[0]
+    assert (greedy.temperature, greedy.seed, greedy.top_p) == (0.0, None, 1.0)
+
+    def out(rid, prompt, ids, reason):
+        return SimpleNamespace(request_id=rid, prompt_token_ids=prompt,
+                               outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason)])
+
+    g.llm = SimpleNamespace(generate=lambda prompts, params, use_tqdm: [
+        out("0", [1, 2], [5, 6, 7], "stop"),  # a kept (non-special) stop token is dropped
+        out("1", [3], [5, 6], "stop"),  # eos already left out by vLLM
+        out("2", [4], [8, 8, 8, 8], "length"),
+    ])
+    assert g.generate([[1, 2], [3], [4]], [0, 0, 0]) == [Gen([5, 6], "stop"), Gen([5, 6], "stop"),
+                                                         Gen([8, 8, 8, 8], "length")]
+    with pytest.raises(RuntimeError, match="answers another prompt"):
+        g.generate([[3], [1, 2], [4]], [0, 0, 0])
+    g.llm = SimpleNamespace(generate=lambda prompts, params, use_tqdm: [out("0", [1], [5], "abort")])
+    with pytest.raises(RuntimeError, match="finish_reason='abort'"):
+        g.generate([[1]], [0])
+
+
+def test_stop_tokens_kept_or_not_by_vllm_give_the_same_file(tmp_path, tiny_llama_dir, monkeypatch):
+    """A stop id the model really emits (set in generation_config): vLLM may return it or not; hf never does."""
+    import shutil
+
+    from eagle3.data.prepare import load_tokenizer
+
+    src = write_source(tmp_path / "src.jsonl", 3)
+    regenerate(tiny_llama_dir, str(src), tmp_path / "probe", RegenConfig(max_new_tokens=6))
+    tok = load_tokenizer(tiny_llama_dir)
+    answer = read_records(tmp_path / "probe")[0]["messages"][1]["content"]
+    stop = tok(answer, add_special_tokens=False)["input_ids"][2]  # r0's third answer token
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    gc = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gc, "eos_token_id": [tok.eos_token_id, stop]}))
+
+    fake.install(monkeypatch)
+    files = {}
+    for name, keep, cfg in (("hf", None, RegenConfig(max_new_tokens=6)),
+                            ("keep", True, RegenConfig(backend="vllm", max_new_tokens=6)),
+                            ("drop", False, RegenConfig(backend="vllm", max_new_tokens=6))):
+        fake.LLM.keep_stop_token = keep
+        regenerate(model, str(src), tmp_path / name, cfg)
+        recs = read_records(tmp_path / name)
+        files[name] = [r["messages"] for r in recs]
+        assert recs[0]["provenance"]["turns"][0] == {"tokens": 2, "finish": "stop"}
+    assert files["hf"] == files["keep"] == files["drop"]
+
+
+_HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _HAVE_VLLM, reason="needs vLLM and a GPU")
+def test_real_vllm_regenerates_its_own_greedy(tmp_path, smollm2_dir):
+    """On the GPU host: every regenerated turn equals vLLM's own greedy answer to that history, alone."""
+    from vllm import LLM, SamplingParams
+
+    from eagle3.data.prepare import load_tokenizer
+    from eagle3.regenerate import render, stop_ids
+
+    src = tmp_path / "src.jsonl"
+    src.write_text(json.dumps({"id": "a", "messages": [
+        {"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"}, {"role": "assistant", "content": "Rome."}]}) + "\n")
+    cfg = RegenConfig(backend="vllm", max_new_tokens=24, gpu_memory_utilization=0.3)
+    m = regenerate(smollm2_dir, str(src), tmp_path / "out", cfg)
+    assert m.turns_written == 2 and m.stats["tokens_per_second"] > 0
+    tok = load_tokenizer(smollm2_dir)
+    eos = stop_ids(smollm2_dir, tok)
+    llm = LLM(str(smollm2_dir), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3)
+    msgs = read_records(tmp_path / "out")[0]["messages"]
+    for i in (1, 3):
+        (o,) = llm.generate([{"prompt_token_ids": render(tok, msgs[:i])}],
+                            SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=sorted(eos)), use_tqdm=False)
+        ids = [t for t in o.outputs[0].token_ids if t not in eos]
+        assert tok.decode(ids, skip_special_tokens=True) == msgs[i]["content"]
