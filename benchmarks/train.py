@@ -60,6 +60,7 @@ def child(vd: int, k: int, pack: int, steps: int, warmup: int) -> dict:
         with amp:
             logits = model.ttt_forward(ids, aux, pos, k, doc=doc)
         out = ttt_loss(logits, tl, top, mask, doc, w)
+        del logits, tl  # as the trainer does: only the loss lives through backward
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()

@@ -279,7 +279,8 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                 batch = collate(train_store, idx, cfg.pack_tokens, d.device)
                 sync = a == len(rows) - 1 or not hasattr(model, "no_sync")
                 with (nullcontext() if sync else model.no_sync()):
-                    out_, _, _ = row_pass(model, lambda f: tops(head, batch, "train", idx), batch, weights, amp)
+                    # keep only the loss: holding the k draft logits through backward costs k x L x Vd floats
+                    out_ = row_pass(model, lambda f: tops(head, batch, "train", idx), batch, weights, amp)[0]
                     (out_.loss / cfg.grad_accum).backward()
                 window.add(out_, None, rows=1, tokens=batch["input_ids"].numel())
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

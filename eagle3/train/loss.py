@@ -143,8 +143,12 @@ def ttt_loss(
         in_kl = valid & (top >= 0)
         b_idx, t_idx = in_kl.nonzero(as_tuple=True)  # gather rows: no shifted [B, L, Vd] copy
         logp = logp_all[b_idx, t_idx + j + 1]  # [N, Vd]
-        logq = q_logits[b_idx, t_idx].float().log_softmax(-1)
-        kl = (logp.exp() * (logp - logq)).sum(-1)  # [N] forward KL(p || q)
+        p = logp.exp()
+        # KL(p || q) = CE(p, q) - H(p). The fused soft-target cross entropy keeps one [N, Vd]
+        # tensor for backward (log q) instead of three (log q, p, log p - log q): the loss's
+        # share of peak memory. H(p) has no gradient.
+        ce = F.cross_entropy(q_logits[b_idx, t_idx].float(), p, reduction="none")  # [N]
+        kl = ce + (p * logp).sum(-1)  # [N] forward KL(p || q)
         n_kl = int(in_kl.sum())
         out.loss = out.loss + w * kl.sum() / max(n_kl, 1)
         with torch.no_grad():
