@@ -23,23 +23,19 @@ sys.path.insert(0, str(REPO))
 
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import PrepareConfig  # noqa: E402
-from eagle3.data.normalize import Skip, normalize  # noqa: E402
+from eagle3.data.normalize import conversations  # noqa: E402
 from eagle3.data.prepare import load_tokenizer, prepare  # noqa: E402
-from eagle3.data.readers import Raw, ReadStats, iter_source, resolve_source  # noqa: E402
+from eagle3.data.readers import ReadStats, iter_source, resolve_source  # noqa: E402
 
 
 def naive(model: Path, limit: int, max_len: int) -> tuple[float, int, int]:
     tok = load_tokenizer(model)
     t0, n, toks = time.perf_counter(), 0, 0
-    for rec in iter_source(resolve_source("sharegpt"), ReadStats()):
+    for _, msgs in conversations(iter_source(resolve_source("sharegpt"), ReadStats())):
         if n >= limit:
             break
         n += 1
-        if not isinstance(rec, Raw):
-            continue
-        try:
-            msgs = normalize(rec.obj)
-        except Skip:
+        if msgs is None:
             continue
         ids = tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"][:max_len]
         toks += len(ids)

@@ -23,20 +23,14 @@ sys.path.insert(0, str(REPO))
 
 def first_exchanges(n: int, out: Path) -> Path:
     """JSONL of the first user turn + answer of the first n usable ShareGPT records."""
-    from eagle3.data.normalize import Skip, normalize
-    from eagle3.data.readers import Raw, ReadStats, iter_source, resolve_source
+    from eagle3.data.normalize import conversations
+    from eagle3.data.readers import ReadStats, iter_source, resolve_source
 
     rows = []
-    for rec in iter_source(resolve_source("sharegpt"), ReadStats()):
-        if not isinstance(rec, Raw):
-            continue
-        try:
-            msgs = normalize(rec.obj)
-        except Skip:
-            continue
-        msgs = [m for m in msgs if m["role"] != "system"][:2]
+    for rid, msgs in conversations(iter_source(resolve_source("sharegpt"), ReadStats())):
+        msgs = [m for m in msgs or [] if m["role"] != "system"][:2]
         if len(msgs) == 2 and len(msgs[0]["content"]) < 2000:  # prompts short enough to answer within max_len
-            rows.append({"id": rec.record_id, "messages": msgs})
+            rows.append({"id": rid, "messages": msgs})
         if len(rows) == n:
             break
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from eagle3.evaluate import Stats, _Timed, compare, dir_fingerprint, draft_format, load_prompts, run_conversation, summarize, write_outputs
+from eagle3.evaluate import Stats, _Timed, compare, draft_format, finish_report, load_prompts, run_conversation, summarize
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -81,7 +81,6 @@ def evaluate_vllm(
 
     from vllm import LLM, SamplingParams
 
-    from eagle3.artifacts import EvalReport
     from eagle3.config import EvalConfig
     from eagle3.data.prepare import load_tokenizer
     from eagle3.extract.run import model_fingerprint
@@ -122,11 +121,4 @@ def evaluate_vllm(
     stats = stats_between(before, spec_counters(spec.get_metrics()), k)
     report = summarize(k, convs, stats, items, (n_spec, t_spec), (n_plain, t_plain), max_new_tokens)
     report.update(backend="vllm", draft_format=fmt, prompts=str(prompts), wall_seconds=time.perf_counter() - t0)
-    m = EvalReport(
-        config=cfg.model_dump(mode="json"),
-        inputs={"model": model_fingerprint(model_dir), "draft": dir_fingerprint(draft_dir), "prompts": prompts_fp},
-        model_dir=str(model_dir),
-        draft_dir=str(draft_dir),
-        **{f: report[f] for f in EvalReport.RESULTS},
-    )
-    return write_outputs(Path(out), report, m)
+    return finish_report(out, report, cfg, model_dir, draft_dir, prompts_fp, model_fingerprint(model_dir))

@@ -730,7 +730,6 @@ def evaluate(
     on a shared, loaded CPU, OpenMP threads spin against other processes (SmolLM2 here: one
     MT-Bench prompt took ~35 s at 1 thread and ~4 min at 2).
     """
-    from eagle3.artifacts import EvalReport
     from eagle3.config import EvalConfig
 
     cfg = EvalConfig(prompts=str(prompts), k=k, max_new_tokens=max_new_tokens, limit=limit, threads=threads)
@@ -747,9 +746,16 @@ def evaluate(
     from eagle3.extract.run import model_fingerprint
 
     report.update(backend="hf", draft_format=fmt, prompts=str(prompts), wall_seconds=time.perf_counter() - t0)
+    return finish_report(out, report, cfg, model_dir, draft_dir, prompts_fp, model_fingerprint(model_dir))
+
+
+def finish_report(out, report: dict[str, Any], cfg, model_dir, draft_dir, prompts_fp: str, model_fp: str):
+    """The EvalReport manifest of a measured report dict, written with report.json and the plot."""
+    from eagle3.artifacts import EvalReport
+
     m = EvalReport(
         config=cfg.model_dump(mode="json"),
-        inputs={"model": model_fingerprint(model_dir), "draft": dir_fingerprint(draft_dir), "prompts": prompts_fp},
+        inputs={"model": model_fp, "draft": dir_fingerprint(draft_dir), "prompts": prompts_fp},
         model_dir=str(model_dir),
         draft_dir=str(draft_dir),
         **{f: report[f] for f in EvalReport.RESULTS},

@@ -16,7 +16,7 @@ Rules (documented in the README, and each skip is counted by its reason):
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -103,3 +103,17 @@ def normalize(obj: dict[str, Any], same_role: str = "merge") -> list[dict[str, s
     if not any(m["role"] == "assistant" for m in merged):
         raise Skip("no_assistant_turn")
     return system + merged
+
+
+def conversations(records: Iterable) -> Iterator[tuple[str, list[dict[str, str]] | None]]:
+    """(record id, normalized messages) per record of a reader; None where it is unreadable or skipped."""
+    from eagle3.data.readers import Raw
+
+    for rec in records:
+        if not isinstance(rec, Raw):
+            yield rec.record_id, None
+            continue
+        try:
+            yield rec.record_id, normalize(rec.obj)
+        except Skip:
+            yield rec.record_id, None
