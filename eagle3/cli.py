@@ -107,6 +107,20 @@ def _cmd_run(a) -> None:
 
     result = pipeline(cfg)
     print(json.dumps(result, indent=1))
+    _print_summary(cfg, result)
+
+
+def _print_summary(cfg, result: dict) -> None:
+    """The figures a user runs the demo for, and the command that serves the draft."""
+    from eagle3.artifacts import EvalReport
+
+    r = EvalReport.read(result["eval"])
+    final = os.path.abspath(result["final"])
+    spec = json.dumps({"method": "eagle3", "model": final, "num_speculative_tokens": r.k})
+    print(f"\ntau (acceptance length) = {r.acceptance_length:.3f} at k={r.k} on {r.num_prompts} prompts "
+          f"({cfg.eval.prompts}); speedup {r.speedup_vs_target:.2f}x over greedy; lossless: {r.lossless}")
+    print(f"draft: {final}")
+    print(f"serve it: vllm serve {os.path.abspath(cfg.model)} --speculative-config '{spec}'")
 
 
 # ---------------------------------------------------------------- extract
