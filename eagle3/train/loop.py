@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from eagle3.artifacts import HiddenStates, TrainedDraft, VerifierWeights
+from eagle3.atomic import atomic_write_text, sha256_file
 from eagle3.config import TrainConfig
 from eagle3.extract import open_store
 from eagle3.model import DraftConfig, Eagle3Draft
@@ -123,11 +124,11 @@ class TopCache:
         return logits, top
 
 
-def row_pass(model: nn.Module, head, batch: dict[str, torch.Tensor], weights: list[float], amp):
+def row_pass(model: nn.Module, targets: tuple[torch.Tensor, torch.Tensor], batch: dict[str, torch.Tensor],
+             weights: list[float], amp):
     """One packed row: k TTT steps and their loss. Returns (TTTLossOutput, draft logits, target top).
-    `head(final) -> (target logits [1, L, Vd], draft id of the target argmax [1, L])`."""
-    target_logits, target_top = head(batch["final"])  # [1, L, Vd] fp32, [1, L] (no grad)
-    target_top = target_top.long()
+    targets: (target logits [1, L, Vd] fp32, draft id of the target argmax [1, L]) from `TopCache`."""
+    target_logits, target_top = targets[0], targets[1].long()
     with amp:
         logits = model(batch["input_ids"], batch["aux"], batch["position_ids"], batch["doc"])
     out = ttt_loss(logits, target_logits, target_top, batch["loss_mask"], batch["doc"], weights)
@@ -145,7 +146,7 @@ def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, weights, amp, c
     model.eval()
     for i in range(d.rank, len(packs), d.world):
         batch = collate(store, packs[i], cfg.pack_tokens, d.device)
-        out, logits, top = row_pass(model, lambda f: cache(head, batch, "val", packs[i]), batch, weights, amp)
+        out, logits, top = row_pass(model, cache(head, batch, "val", packs[i]), batch, weights, amp)
         chain = chain_acceptance(logits, top, batch["loss_mask"], batch["doc"])
         m.add(out, chain, rows=1, tokens=batch["input_ids"].numel())
     model.train()
@@ -169,8 +170,6 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     ver = VerifierWeights.read(verifier_dir)
     inputs = {"hidden_states": hidden.fingerprint, "verifier": ver.fingerprint}
     if cfg.init_from:
-        from eagle3.atomic import sha256_file
-
         inputs["init_from"] = sha256_file(Path(cfg.init_from) / "model.safetensors")
     config = cfg.model_dump(mode="json")
     if d.main and TrainedDraft.exists(out):
@@ -280,7 +279,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                 sync = a == len(rows) - 1 or not hasattr(model, "no_sync")
                 with (nullcontext() if sync else model.no_sync()):
                     # keep only the loss: holding the k draft logits through backward costs k x L x Vd floats
-                    out_ = row_pass(model, lambda f: tops(head, batch, "train", idx), batch, weights, amp)[0]
+                    out_ = row_pass(model, tops(head, batch, "train", idx), batch, weights, amp)[0]
                     (out_.loss / cfg.grad_accum).backward()
                 window.add(out_, None, rows=1, tokens=batch["input_ids"].numel())
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -330,7 +329,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
             config=config, inputs=inputs, final_dir=FINAL, export_format=cfg.export_format,
             steps=pos.step, best_step=best["step"], best_sim_tau=best["tau"],
             val=_last_val(metrics_path), draft_config=draft.config.model_dump(mode="json"),
-            weights_sha256=_sha(out / FINAL / "model.safetensors"),
+            weights_sha256=sha256_file(out / FINAL / "model.safetensors"),
         )
         result.write(out)
         log.info("train: done, %d steps; best sim tau %.3f at step %d; exported %s", pos.step, best["tau"],
@@ -352,12 +351,6 @@ def last_step_dir(out: Path) -> Path:
     return d
 
 
-def _sha(p: Path) -> str:
-    from eagle3.atomic import sha256_file
-
-    return sha256_file(p)
-
-
 def _log_metrics(path: Path, rec: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -368,8 +361,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-    from eagle3.atomic import atomic_write_text
-
     atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
 
