@@ -3,10 +3,15 @@
 Every stage writes through these helpers: a file is written to a temp path in the same
 directory, fsynced, then renamed over its final name, so a reader (or a resumed run)
 sees either the old file, the new file, or nothing -- never half a file.
+
+A write that fails because the disk is full raises `DiskFullError`, naming the file and the
+free space, after removing its temp file: a full disk leaves no half-written output behind.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -14,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+from eagle3.faults import point
 
 _CHUNK = 1 << 20
 _UMASK = os.umask(0)
@@ -71,6 +78,42 @@ def fsync_dir(path: str | os.PathLike) -> None:
             os.close(fd)
 
 
+class DiskFullError(OSError, ValueError):
+    """No space left for a write. A ValueError too (like io.UnsupportedOperation is both), so every
+    entry point reports it in one line; and retrying without freeing space cannot help."""
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _disk_full(e: BaseException, where: Path) -> bool:
+    """Did `e` come from a full disk? Libraries word it differently: OSError(ENOSPC), safetensors'
+    "os error 28", and torch.save's bare "unexpected pos" -- so the free space decides too."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(e) or "os error 28" in str(e):
+        return True
+    if isinstance(e, ValueError):  # a refused input, whatever the disk holds
+        return False
+    with contextlib.suppress(OSError):
+        return _free_bytes(where) < 1 << 20
+    return False
+
+
+def _raise_if_disk_full(e: BaseException, final: Path) -> None:
+    if isinstance(e, DiskFullError) or not isinstance(e, Exception) or not _disk_full(e, final.parent):
+        return
+    free = _free_bytes(final.parent)
+    raise DiskFullError(
+        errno.ENOSPC,
+        f"no space left on device writing {final} ({free / (1 << 20):,.1f} MiB free under {final.parent}); "
+        f"the partial file was removed and committed work is kept: free some space (or use another "
+        f"directory) and rerun the same command",
+    ) from e
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `final`; on success fsync and rename it to `final`.
@@ -87,11 +130,14 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; the final file gets the usual mode
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        point("file.written", final)
         os.replace(tmp, final)
         fsync_dir(final.parent)
-    except BaseException:
+        point("file.renamed", final)
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        _raise_if_disk_full(e, final)
         raise
 
 
@@ -99,7 +145,10 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp dir beside `final`; on success it replaces `final` (an older one is removed).
 
-    A killed writer leaves only a `.NAME.*.tmp` dir, which `clean_temp_files` removes.
+    An existing `final` is swapped with the new dir in one atomic exchange, so a kill at any
+    moment leaves `final` old or new, never missing (removing it first and then renaming lost a
+    `best` checkpoint to a kill between the two). A killed writer leaves only a `.NAME.*.tmp` dir,
+    which `clean_temp_files` removes.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -107,13 +156,32 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         tmp.chmod(0o777 & ~_UMASK)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        point("dir.written", final)
+        if final.exists() and _exchange(tmp, final):
+            point("dir.renamed", final)
+            shutil.rmtree(tmp)  # now the old dir
+        else:
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            point("dir.renamed", final)
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        _raise_if_disk_full(e, final)
         raise
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd = -100
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:

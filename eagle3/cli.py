@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         out = getattr(a, "out", None) if a.cmd in _LOCKED else None
         with RunLock(out) if out else contextlib.nullcontext():
             a.func(a)
-    except (UserError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except (UserError, ValueError, OSError, RuntimeError) as e:  # OSError: unreadable paths, a full disk
         if os.environ.get("EAGLE3_DEBUG"):
             raise
         print(f"eagle3 {a.cmd}: error: {e}", file=sys.stderr)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3.faults import point
+
 Sample = tuple[str, torch.Tensor]  # (sample_id, input_ids [T])
 
 
@@ -117,3 +119,4 @@ class HFBackend:
                 yield sid, tok, h[r, : lengths[i]]
             if on_tokens is not None:
                 on_tokens(sum(lengths[i] for i in group))
+            point("extract.batch")

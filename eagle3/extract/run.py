@@ -36,6 +36,7 @@ from eagle3.extract.store import (
     bytes_per_token,
     plan_key,
     shard_meta,
+    shard_problem,
 )
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do) of this run
@@ -214,10 +215,16 @@ def run_extract(
     inputs = {"prepared": prep.fingerprint, "model": model_fp}
     cfg_dump = cfg.model_dump(mode="json")
 
+    known: dict[str, str] = {}  # shard file -> sha256 a finished run recorded
     if HiddenStates.exists(out):
         done = HiddenStates.read(out)
+        known = {s.file: s.sha256 for s in done.shards}
         if done.inputs == inputs and done.config == cfg_dump:
-            return done
+            bad = [b for s in done.shards if (b := shard_problem(out / s.file, s.sha256))]
+            if not bad:
+                return done
+            for b in bad:
+                print(f"eagle3 extract: {b}; rebuilding it", file=sys.stderr)
         (out / "manifest.json").unlink()  # out is about to change: it is no longer a finished stage
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
     clean_temp_files(out)
@@ -227,8 +234,17 @@ def run_extract(
     tok_bytes = bytes_per_token(n_aux, hidden, cfg.storage)
     plans = plan_shards(samples, tok_bytes, cfg.shard_bytes, common)
 
-    # Which shards are already committed (same plan key), which samples an earlier run has.
-    committed = {p.file for p in plans if (m := shard_meta(out / p.file)) is not None and m.get("key") == p.key}
+    # Which shards are already committed (same plan key, whole, and the bytes a finished run recorded,
+    # when one did), which samples an earlier run has. A damaged shard is named and recomputed.
+    committed = set()
+    for p in plans:
+        if (m := shard_meta(out / p.file)) is None or m.get("key") != p.key:
+            continue
+        bad = shard_problem(out / p.file, known.get(p.file))
+        if bad:
+            print(f"eagle3 extract: {bad}; rebuilding it", file=sys.stderr)
+        else:
+            committed.add(p.file)
     stores = _open_reuse(reuse, out, common)
     reusable: dict[str, tuple[HiddenStateStore, int]] = {}
     for st in stores:
@@ -261,7 +277,7 @@ def run_extract(
     try:
         for p in plans:
             if p.file in committed:
-                shard_sha[p.file] = sha256_file(out / p.file)
+                shard_sha[p.file] = known.get(p.file) or sha256_file(out / p.file)  # a known one was just checked
                 continue
             w = ShardWriter(p, n_aux, hidden, cfg.storage)
             todo = []

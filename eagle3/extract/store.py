@@ -234,6 +234,26 @@ def shard_meta(path: str | os.PathLike) -> dict[str, Any] | None:
         return None
 
 
+def shard_problem(path: str | os.PathLike, sha256: str | None = None) -> str | None:
+    """Why the shard at `path` cannot be used (missing, truncated, or not the bytes `sha256` names), or None.
+
+    Without a checksum only the header is checked against the file size, which catches truncation."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path}: missing"
+    try:
+        start, head = read_header(path)
+    except (OSError, ValueError) as e:
+        return f"{path}: unreadable header ({e})"
+    end = max((info["data_offsets"][1] for k, info in head.items() if k != "__metadata__"), default=0)
+    size = path.stat().st_size
+    if start + end != size:
+        return f"{path}: truncated or padded ({size} bytes, its header says {start + end})"
+    if sha256 is not None and sha256_file(path) != sha256:
+        return f"{path}: sha256 differs from the manifest (corrupt)"
+    return None
+
+
 def mmap_shard(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors file as views of one private (copy-on-write) memory map."""
     start, head = read_header(path)
@@ -293,7 +313,13 @@ class HiddenStateStore(Sequence):
 
     def _shard(self, k: int) -> dict[str, torch.Tensor]:
         if k not in self._shards:
-            self._shards[k] = mmap_shard(self.root / self.manifest.shards[k].file)
+            # Checked against the manifest once per process, before any of its bytes is trusted:
+            # a flipped bit would otherwise train silently on garbage.
+            info = self.manifest.shards[k]
+            bad = shard_problem(self.root / info.file, info.sha256)
+            if bad:
+                raise ValueError(f"{bad}; rerun `eagle3 extract` with the same arguments: it rebuilds only this shard")
+            self._shards[k] = mmap_shard(self.root / info.file)
         return self._shards[k]
 
     def raw(self, i: int) -> dict[str, torch.Tensor]:
