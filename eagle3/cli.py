@@ -343,6 +343,17 @@ _ADDERS = [_add_assets, _add_prepare, _add_extract, _add_run, _add_verifier, _ad
 _LOCKED = {"prepare", "extract", "verifier", "eval", "regenerate"}  # train locks in its rank-0 process
 
 
+def one_line(e: BaseException) -> str:
+    """The error as one line: a pydantic ValidationError lists each field, its problem and the value
+    given (its own text spans lines and ends in a URL)."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        return f"invalid {e.title}: " + "; ".join(
+            f"{'.'.join(map(str, x['loc'])) or 'value'}: {x['msg']} (got {x['input']!r})" for x in e.errors())
+    return str(e)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -362,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError, OSError, RuntimeError) as e:  # OSError: unreadable paths, a full disk
         if os.environ.get("EAGLE3_DEBUG"):
             raise
-        print(f"eagle3 {a.cmd}: error: {e}", file=sys.stderr)
+        print(f"eagle3 {a.cmd}: error: {one_line(e)}", file=sys.stderr)
         return 2
     return 0
 

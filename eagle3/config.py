@@ -155,7 +155,7 @@ class PipelineConfig(_Cfg):
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML/JSON: {e}") from e
+            raise ValueError(f"{path}: not valid YAML/JSON: {' '.join(str(e).split())}") from e  # one line
         if not isinstance(data, dict):
             raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
         return cls.model_validate(data)

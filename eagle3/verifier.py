@@ -51,7 +51,14 @@ def weight_map(model_dir: Path) -> dict[str, str]:
     """Tensor name -> safetensors file name, from the index or by listing a single file."""
     index = model_dir / INDEX
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+        try:
+            wmap = dict(json.loads(index.read_text())["weight_map"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
+        missing = sorted({f for f in wmap.values() if not (model_dir / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{index} points at {len(missing)} missing file(s): {', '.join(missing[:3])}")
+        return wmap
     single = model_dir / SINGLE
     if single.is_file():
         from safetensors import safe_open
@@ -116,6 +123,8 @@ def load_vocab_map(prepared_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor
     path = Path(prepared_dir) / prep.vocab_map.file
     if not path.is_file():
         raise FileNotFoundError(f"{path}: vocab map named by the prepare manifest is missing")
+    if sha256_file(path) != prep.vocab_map.sha256:
+        raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
     t = load_file(path)
     for key in ("d2t", "t2d"):
         if key not in t:
@@ -163,7 +172,10 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
             f"{model_dir}: inconsistent shapes: embed {tuple(embed.shape)}, lm_head {tuple(lm_head.shape)}, "
             f"norm {tuple(norm.shape)}"
         )
-    target_ids = check_vocab_map(d2t, t2d, V)
+    try:
+        target_ids = check_vocab_map(d2t, t2d, V)
+    except ValueError as e:
+        raise ValueError(f"{Path(prepared_dir) / prep.vocab_map.file}: {e}") from None
     tensors = {
         "embed_tokens": embed.contiguous(),
         "norm": norm.contiguous(),

@@ -164,5 +164,10 @@ def test_bad_vocab_map_is_rejected(tmp_path):
         extract_verifier(tmp_path / "m", write_prepared(tmp_path / "p1", [1, 3], 41), tmp_path / "o")
     p2 = write_prepared(tmp_path / "p2", [1, 3], 40)
     save_file({"d2t": torch.tensor([1, 1]), "t2d": torch.zeros(40, dtype=torch.bool)}, str(p2 / "vocab_map.safetensors"))
-    with pytest.raises(ValueError, match="t2d does not mark"):
+    with pytest.raises(ValueError, match="sha256 does not match the prepare manifest"):  # replaced behind its back
+        extract_verifier(tmp_path / "m", p2, tmp_path / "o")
+    m = PreparedData.read(p2)
+    m.vocab_map.sha256 = sha256_file(p2 / "vocab_map.safetensors")  # a map written that way on purpose
+    m.write(p2)
+    with pytest.raises(ValueError, match="vocab_map.safetensors: t2d does not mark"):
         extract_verifier(tmp_path / "m", p2, tmp_path / "o")

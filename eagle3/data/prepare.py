@@ -46,10 +46,13 @@ _EXAMPLES = 3  # record ids kept per skip reason, for the report
 def tokenizer_fingerprint(model: str | Path) -> str:
     """sha256 over the tokenizer and chat-template files of a model dir."""
     d = Path(model)
+    if not d.is_dir():
+        raise ValueError(f"model dir {d} does not exist")
     h = hashlib.sha256()
     found = [n for n in TOKENIZER_FILES if (d / n).is_file()]
-    if not found:
-        raise ValueError(f"{d}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); is it an HF model dir?")
+    # a template or special-tokens file alone is no tokenizer: one of the vocabulary files must be there
+    if not {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(found):
+        raise ValueError(f"{d}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); is it an HF model dir?")
     for n in found:
         h.update(f"{n}\0{sha256_file(d / n)}\n".encode())
     return h.hexdigest()
@@ -65,7 +68,8 @@ def load_tokenizer(model: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(d))
     except Exception as e:
-        raise ValueError(f"{d}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
+        first = (str(e).strip().splitlines() or [""])[0]  # transformers' messages run to many lines
+        raise ValueError(f"{d}: cannot load its tokenizer: {type(e).__name__}: {first}") from None
 
 
 def _vocab_path(src: str | Path) -> Path:
@@ -167,6 +171,10 @@ def prepare(
     draft_vocab = cfg.draft_vocab or min(DEFAULT_DRAFT_VOCAB, V)
     if draft_vocab > V:
         raise ValueError(f"--draft-vocab {draft_vocab} exceeds the target vocab size {V}")
+    if cfg.vocab_from:  # checked before anything is written
+        d2t, t2d = load_maps(_vocab_path(cfg.vocab_from))
+        if len(t2d) != V:
+            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-token vocab, this tokenizer has {V}")
 
     # A stale manifest must never describe the shards we are about to overwrite.
     out.mkdir(parents=True, exist_ok=True)
@@ -223,28 +231,36 @@ def prepare(
         dt = max(time.perf_counter() - t0, 1e-9)
         bar.set_postfix_str(f"{n_tok / dt:,.0f} tok/s, kept {n_kept}")
 
-    for rec in iter_source(src, stats):
-        if cfg.limit is not None and n_read >= cfg.limit:
-            break
-        n_read += 1
-        bar.update(1)
-        if isinstance(rec, Bad):
-            skip(rec.record_id, rec.reason, rec.detail)
-            continue
-        try:
-            msgs = normalize(rec.obj, cfg.same_role)
-            key = hashlib.sha256(repr([(m["role"], m["content"]) for m in msgs]).encode()).hexdigest()
-            if key in seen:
-                raise Skip("duplicate", "same conversation as an earlier record")
-            seen.add(key)
-            pending.append((rec.record_id, renderer.render(msgs)))
-        except Skip as s:
-            skip(rec.record_id, s.reason, s.detail)
-            continue
-        if len(pending) >= cfg.batch_size:
-            flush_pending()
-    flush_pending()
-    bar.close()
+    try:
+        for rec in iter_source(src, stats):
+            if cfg.limit is not None and n_read >= cfg.limit:
+                break
+            n_read += 1
+            bar.update(1)
+            if isinstance(rec, Bad):
+                skip(rec.record_id, rec.reason, rec.detail)
+                continue
+            try:
+                msgs = normalize(rec.obj, cfg.same_role)
+                key = hashlib.sha256(repr([(m["role"], m["content"]) for m in msgs]).encode()).hexdigest()
+                if key in seen:
+                    raise Skip("duplicate", "same conversation as an earlier record")
+                seen.add(key)
+                pending.append((rec.record_id, renderer.render(msgs)))
+            except Skip as s:
+                skip(rec.record_id, s.reason, s.detail)
+                continue
+            if len(pending) >= cfg.batch_size:
+                flush_pending()
+        flush_pending()
+    except BaseException:
+        # A source that fails midway (an unreadable file in a dir) leaves no half a stage behind.
+        for sh in shards.values():
+            for info in sh.infos:
+                (out / info.file).unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()  # before any error line, so the two never share a line
 
     # Guarantee a validation set: move the train sample with the smallest split key
     # (deterministic) if the hash split left val empty. Only a buffered sample can move.
@@ -262,9 +278,6 @@ def prepare(
         )
 
     if cfg.vocab_from:
-        d2t, t2d = load_maps(_vocab_path(cfg.vocab_from))
-        if len(t2d) != V:
-            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-token vocab, this tokenizer has {V}")
         target_ids = t2d.nonzero().flatten().numpy()
         draft_vocab = len(target_ids)
     else:

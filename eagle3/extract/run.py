@@ -123,9 +123,12 @@ def load_samples(prepared_dir: str | Path, prep: PreparedData, splits: Sequence[
     for split in splits:
         if split not in prep.splits:
             continue  # e.g. no val split in a tiny dataset
-        for path in prep.shard_paths(prepared_dir, split):
+        for info in prep.splits[split]:
+            path = Path(prepared_dir) / info.file
             if not path.is_file():
                 raise ValueError(f"{path}: prepared shard listed in the manifest is missing")
+            if sha256_file(path) != info.sha256:
+                raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
             t = pq.read_table(path, columns=["sample_id", "input_ids", "loss_mask"])
             n_ids = pc.list_value_length(t["input_ids"]).to_pylist()
             n_mask = pc.list_value_length(t["loss_mask"]).to_pylist()
