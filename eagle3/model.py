@@ -14,7 +14,8 @@ semantics follow vLLM's `llama_eagle3.py` (LlamaModel.forward / combine_hidden_s
 one passed to the next step; `norm_before_residual` makes the residual `hidden_norm(h)`.
 
 Two ways to run it:
-* `ttt_forward`: training, k unrolled steps over packed rows with blockwise TTT attention.
+* `ttt_states` / `ttt_forward`: training, k unrolled steps over packed rows with blockwise TTT
+  attention (the trainer takes the normed states and applies lm_head inside its fused loss).
 * `step` + `KVCache`: one draft forward over new tokens against a KV cache, as vLLM's
   proposer runs it (the eval stage's chain decoding mimics serving with it).
 """
@@ -171,7 +172,7 @@ def _rope_of(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 # ---------------------------------------------------------------- modules
 class RMSNorm(nn.Module):
-    """Llama RMSNorm, computed in fp32 like HF's and vLLM's."""
+    """Llama RMSNorm, computed in fp32 like HF's and vLLM's: weight * (x / rms(x)).to(x.dtype)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -179,9 +180,43 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm that keeps only x and 1/rms [.., 1] for backward (plain autograd also keeps the
+    normalized x in fp32, a second [T, H] per norm: 5 norms per TTT step) and recomputes the rest."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [.., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        gw = (gy * xhat.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0)
+        g = gy.float() * weight.float()  # d loss / d xhat
+        gx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw.to(weight.dtype), None
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up keeping gate and up only (autograd also keeps silu(gate), a [T, I] tensor)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up = ctx.saved_tensors
+        s = torch.sigmoid(gate)
+        return g * up * s * (1 + gate * (1 - s)), g * gate * s
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +249,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -387,7 +422,20 @@ class Eagle3Draft(nn.Module):
         doc: torch.Tensor | None = None,
         block: int | None = None,
     ) -> list[torch.Tensor]:
-        """Training-time test: `steps` unrolled draft steps over packed rows. Returns per-step logits.
+        """`ttt_states` followed by lm_head: `steps` tensors of draft logits [B, L, Vd]."""
+        return [self.logits(n) for n in self.ttt_states(input_ids, aux, position_ids, steps, doc, block)]
+
+    def ttt_states(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        position_ids: torch.Tensor,
+        steps: int,
+        doc: torch.Tensor | None = None,
+        block: int | None = None,
+    ) -> list[torch.Tensor]:
+        """Training-time test: `steps` unrolled draft steps over packed rows. Returns per-step normed
+        states (lm_head's input); the logits are `logits(state)`.
 
         input_ids: [B, L]; aux: [B, L, 3, Ht]; position_ids: [B, L], restarting at 0 per
         document (`doc` [B, L] defaults to the documents they imply).
@@ -395,7 +443,7 @@ class Eagle3Draft(nn.Module):
         the target's distribution at position t + j + 1 (`eagle3.train.loss` aligns it). Its
         RoPE position is position_ids[t] + j: where the token sits when served. Step 0's hidden is
         combine(aux); step j's is step j-1's next-state at the same position. Ids past the row
-        end are 0; the loss masks those positions. Returns `steps` tensors [B, L, Vd].
+        end are 0; the loss masks those positions. Returns `steps` tensors [B, L, H].
         """
         from eagle3.train.attention import doc_ids_from_position_ids, ttt_attention
 
@@ -412,7 +460,7 @@ class Eagle3Draft(nn.Module):
         k0 = v0 = None
         kd: list[torch.Tensor] = []
         vd: list[torch.Tensor] = []
-        out_logits = []
+        states = []
         for j in range(steps):
             ids = F.pad(input_ids[:, j + 1 :], (0, j + 1), value=0)  # [B, L]: token t + j + 1
             e = self.embed_tokens(ids)
@@ -425,8 +473,8 @@ class Eagle3Draft(nn.Module):
                 vd.append(v)
             attn = ttt_attention(q, k0, v0, kd, vd, doc, block=block)
             normed, h = self.head(self.midlayer.finish(attn, residual))
-            out_logits.append(self.logits(normed))
-        return out_logits
+            states.append(normed)
+        return states
 
 
 def _rotary(c: DraftConfig) -> nn.Module:

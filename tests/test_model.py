@@ -189,3 +189,34 @@ def test_switch_semantics():
     aux = torch.randn(2, 3, 32)
     torch.testing.assert_close(m_on.combine(aux), m_on.fc(m_on.input_norm(aux.flatten(-2))))
     torch.testing.assert_close(m_off.combine(aux), m_off.fc(aux.flatten(-2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_lean_norm_and_mlp_equal_plain_autograd(dtype):
+    # RMSNorm and silu(gate) * up keep less for backward than autograd would; their values and
+    # gradients must be autograd's (fp32: to rounding; bf16: the dtype chain of HF/vLLM's norm).
+    from eagle3.model import RMSNorm, _SiluMul
+
+    torch.manual_seed(0)
+    x = (torch.randn(3, 7, 16) * 3).to(dtype).requires_grad_()
+    norm = RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    gy = torch.randn(3, 7, 16)
+    y = norm(x)
+    gx, gw = torch.autograd.grad(y, (x, norm.weight), gy.to(y.dtype))
+    xf = x.float()
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    rx, rw = torch.autograd.grad(ref, (x, norm.weight), gy.to(ref.dtype))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert y.dtype == ref.dtype and torch.equal(y, ref)
+    torch.testing.assert_close(gx, rx, **tol)
+    torch.testing.assert_close(gw, rw, **tol)
+
+    gate, up = (torch.randn(5, 12) * 4).to(dtype).requires_grad_(), torch.randn(5, 12).to(dtype).requires_grad_()
+    g = torch.randn(5, 12).to(dtype)
+    out = _SiluMul.apply(gate, up)
+    ref = torch.nn.functional.silu(gate) * up
+    assert torch.equal(out, ref)
+    for a, b in zip(torch.autograd.grad(out, (gate, up), g), torch.autograd.grad(ref, (gate, up), g)):
+        torch.testing.assert_close(a, b, **tol)

@@ -3,7 +3,7 @@
 One optimizer step = `grad_accum` packed rows on each of `world` ranks. Each row runs k unrolled
 TTT steps of the draft (`Eagle3Draft.ttt_forward`) against targets computed on the fly from
 the stored final hidden states through the verifier's norm + lm_head (`TargetHead`). The loss
-of a row is the step-weighted mean forward KL (`ttt_loss`); the step loss is the mean over the
+of a row is the step-weighted mean forward KL (`ttt_loss_fused`); the step loss is the mean over the
 step's rows, so 1 process x 2 rows and 2 processes x 1 row give the same gradients.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
 from eagle3.train.export import export
-from eagle3.train.loss import TargetHead, step_weights, ttt_loss
+from eagle3.train.loss import TargetHead, TTTLossOutput, step_weights, ttt_loss_fused
 from eagle3.train.metrics import Meter, TensorBoard, chain_acceptance, plot_curves
 
 log = logging.getLogger("eagle3.train")
@@ -39,14 +39,16 @@ FINAL = "final"
 
 
 class TTT(nn.Module):
-    """Makes `ttt_forward` the module's forward, so DDP/FSDP hooks see the training pass."""
+    """The k unrolled steps and their loss as one module forward, so DDP/FSDP hooks see the whole
+    training pass (the fused loss applies the draft's lm_head itself)."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, block: int):
+    def __init__(self, draft: Eagle3Draft, steps: int, block: int, weights: list[float]):
         super().__init__()
-        self.draft, self.steps, self.block = draft, steps, block
+        self.draft, self.steps, self.block, self.weights = draft, steps, block, weights
 
-    def forward(self, input_ids, aux, position_ids, doc):
-        return self.draft.ttt_forward(input_ids, aux, position_ids, self.steps, doc=doc, block=self.block)
+    def forward(self, input_ids, aux, position_ids, doc, loss_mask, target_logits, target_top) -> TTTLossOutput:
+        states = self.draft.ttt_states(input_ids, aux, position_ids, self.steps, doc=doc, block=self.block)
+        return ttt_loss_fused(states, self.draft.lm_head.weight, target_logits, target_top, loss_mask, doc, self.weights)
 
 
 @dataclass
@@ -125,18 +127,46 @@ class TopCache:
 
 
 def row_pass(model: nn.Module, targets: tuple[torch.Tensor, torch.Tensor], batch: dict[str, torch.Tensor],
-             weights: list[float], amp):
-    """One packed row: k TTT steps and their loss. Returns (TTTLossOutput, draft logits, target top).
+             amp) -> TTTLossOutput:
+    """One packed row: k TTT steps and their loss.
     targets: (target logits [1, L, Vd] fp32, draft id of the target argmax [1, L]) from `TopCache`."""
-    target_logits, target_top = targets[0], targets[1].long()
     with amp:
-        logits = model(batch["input_ids"], batch["aux"], batch["position_ids"], batch["doc"])
-    out = ttt_loss(logits, target_logits, target_top, batch["loss_mask"], batch["doc"], weights)
-    return out, logits, target_top
+        return model(batch["input_ids"], batch["aux"], batch["position_ids"], batch["doc"], batch["loss_mask"],
+                     targets[0], targets[1].long())
+
+
+def optimizer_step(params: list[nn.Parameter], opt: torch.optim.Optimizer, clip: float, sched=None) -> torch.Tensor:
+    """Clip, step, zero the grads, and hand the step's freed activations back to the OS.
+
+    Without the last part glibc keeps the freed [L, *] activation blocks of every step in its
+    heap, fragmented, and the process's RSS creeps up by hundreds of MB over the first steps
+    (measured with benchmarks/train.py); malloc_trim costs about a millisecond.
+    Returns the pre-clip gradient norm."""
+    gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+    if _malloc_trim is not None and params and params[0].device.type == "cpu":
+        _malloc_trim(0)
+    return gnorm
+
+
+def _libc_malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
 
 
 @torch.no_grad()
-def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, weights, amp, cache: TopCache) -> dict[str, Any]:
+def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, amp, cache: TopCache) -> dict[str, Any]:
     """Loss, per-step top-1 and simulated tau over the validation split (all ranks, summed)."""
     if store is None or len(store) == 0:
         return {}
@@ -146,9 +176,8 @@ def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, weights, amp, c
     model.eval()
     for i in range(d.rank, len(packs), d.world):
         batch = collate(store, packs[i], cfg.pack_tokens, d.device)
-        out, logits, top = row_pass(model, cache(head, batch, "val", packs[i]), batch, weights, amp)
-        chain = chain_acceptance(logits, top, batch["loss_mask"], batch["doc"])
-        m.add(out, chain, rows=1, tokens=batch["input_ids"].numel())
+        out = row_pass(model, cache(head, batch, "val", packs[i]), batch, amp)
+        m.add(out, chain_acceptance(out), rows=1, tokens=batch["input_ids"].numel())
     model.train()
     return m.reduce(d)
 
@@ -181,6 +210,11 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
 
     draft = build_draft(cfg, hidden, verifier_dir).to(d.device)
     head = TargetHead.from_verifier(verifier_dir).to(d.device)
+    if ver.tied_embeddings and not cfg.fsdp and torch.equal(head.lm_head, draft.embed_tokens.weight):
+        # tied target (SmolLM2, Llama-3.2-1B, ...): the head's lm_head *is* the draft's frozen
+        # embedding; one [V, H] fp32 copy instead of two (113 MB for SmolLM2). FSDP shards the
+        # embedding, so it keeps its own.
+        head.lm_head = draft.embed_tokens.weight.detach()
     train_store = open_store(hidden_dir, "train")
     val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
     lengths = train_store.lengths
@@ -207,7 +241,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
             last = None
     if last is not None:
         draft.load_state_dict(state_dict)  # before wrapping: FSDP2 then shards the loaded weights
-    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block), d, cfg.fsdp)
+    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block, weights), d, cfg.fsdp)
     # The optimizer is built on the wrapped model's parameters (FSDP2 replaces them with shards).
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
@@ -249,7 +283,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     def run_validation() -> None:
         nonlocal best, last_val
         last_val = pos.step
-        v = validate(model, head, val_store, cfg, d, weights, amp, tops)
+        v = validate(model, head, val_store, cfg, d, amp, tops)
         if not v:
             return
         if d.main:
@@ -278,14 +312,10 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                 batch = collate(train_store, idx, cfg.pack_tokens, d.device)
                 sync = a == len(rows) - 1 or not hasattr(model, "no_sync")
                 with (nullcontext() if sync else model.no_sync()):
-                    # keep only the loss: holding the k draft logits through backward costs k x L x Vd floats
-                    out_ = row_pass(model, tops(head, batch, "train", idx), batch, weights, amp)[0]
+                    out_ = row_pass(model, tops(head, batch, "train", idx), batch, amp)
                     (out_.loss / cfg.grad_accum).backward()
                 window.add(out_, None, rows=1, tokens=batch["input_ids"].numel())
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            gnorm = optimizer_step(params, opt, cfg.grad_clip, sched)
             pos.step += 1
             pos.epoch_step += 1
             bar.update(1)

@@ -43,7 +43,7 @@ class TargetHead(torch.nn.Module):
         eps: float,
         lm_head: torch.Tensor,
         d2t: torch.Tensor,
-        chunk: int = 1024,
+        chunk: int = 256,
     ):
         super().__init__()
         V, H = lm_head.shape
@@ -60,7 +60,7 @@ class TargetHead(torch.nn.Module):
         self.register_buffer("t2d_index", t2d_index)  # [V] draft id, or -1 outside the draft vocab
 
     @classmethod
-    def from_verifier(cls, verifier_dir: str | Path, eps: float | None = None, chunk: int = 1024) -> "TargetHead":
+    def from_verifier(cls, verifier_dir: str | Path, eps: float | None = None, chunk: int = 256) -> "TargetHead":
         """Load from `eagle3 verifier`'s output (eps from its manifest unless given)."""
         from safetensors.torch import load_file
 
@@ -98,6 +98,7 @@ class TTTLossOutput:
     kl_count: list[int] = field(default_factory=list)  # per step: positions in the KL (in draft vocab)
     correct: list[int] = field(default_factory=list)  # per step: draft argmax == target argmax
     count: list[int] = field(default_factory=list)  # per step: loss-masked positions (top-1 denominator)
+    hits: list[torch.Tensor] = field(default_factory=list)  # per step: [B, L] bool, the `correct` positions
 
     @property
     def accuracy(self) -> list[float]:
@@ -111,6 +112,29 @@ def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
     return torch.cat([x[:, s:], pad], 1)
 
 
+def _check(k: int, weights, target_shape, target_top, loss_mask, doc) -> tuple[list[float], torch.Tensor]:
+    weights = step_weights(k) if weights is None else list(weights)
+    if len(weights) != k:
+        raise ValueError(f"{len(weights)} step weights for {k} steps")
+    B, L = target_shape[:2]
+    if loss_mask.shape != (B, L) or target_top.shape != (B, L):
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} / target_top {tuple(target_top.shape)} must be [B, L] = [{B}, {L}]")
+    doc = torch.zeros(B, L, dtype=torch.long, device=loss_mask.device) if doc is None else doc
+    return weights, doc
+
+
+def _step_rows(j: int, target_top: torch.Tensor, loss_mask: torch.Tensor, doc: torch.Tensor):
+    """Which positions step j scores. Returns (valid [B, L], top [B, L], KL rows (b, t)).
+
+    Step j at t: target distribution at t + j + 1, predicted token t + j + 2. `valid`: that token
+    exists, is in t's document and is trainable; `top`: draft id of the target argmax there
+    (-1 = outside the draft vocab); the KL rows are the valid positions with top >= 0."""
+    valid = _shift(loss_mask.bool(), j + 2, False) & (_shift(doc, j + 2, -1) == doc)
+    top = _shift(target_top, j + 1, -1)
+    b_idx, t_idx = (valid & (top >= 0)).nonzero(as_tuple=True)  # gather rows: no shifted [B, L, Vd] copy
+    return valid, top, b_idx, t_idx
+
+
 def ttt_loss(
     draft_logits: Sequence[torch.Tensor],
     target_logits: torch.Tensor,
@@ -119,42 +143,112 @@ def ttt_loss(
     doc: torch.Tensor | None = None,
     weights: Sequence[float] | None = None,
 ) -> TTTLossOutput:
-    """Weighted sum over steps j of the mean forward KL(p_target || q_draft_j).
+    """Weighted sum over steps j of the mean forward KL(p_target || q_draft_j), from draft logits.
 
+    The plain autograd form, and the reference `ttt_loss_fused` is tested against.
     draft_logits: k tensors [B, L, Vd] (`Eagle3Draft.ttt_forward`); target_logits: [B, L, Vd]
     and target_top: [B, L] from `TargetHead` on the stored final states; loss_mask: [B, L]
     (1 = trainable token); doc: [B, L] document ids of packed rows (None = one per row);
     weights: per step, default 0.8**j.
     """
-    k = len(draft_logits)
-    weights = step_weights(k) if weights is None else list(weights)
-    if len(weights) != k:
-        raise ValueError(f"{len(weights)} step weights for {k} steps")
-    B, L, Vd = target_logits.shape
-    if loss_mask.shape != (B, L) or target_top.shape != (B, L):
-        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} / target_top {tuple(target_top.shape)} must be [B, L] = [{B}, {L}]")
-    doc = torch.zeros(B, L, dtype=torch.long, device=loss_mask.device) if doc is None else doc
+    weights, doc = _check(len(draft_logits), weights, target_logits.shape, target_top, loss_mask, doc)
     logp_all = target_logits.float().log_softmax(-1)  # [B, L, Vd]
     out = TTTLossOutput(loss=target_logits.new_zeros((), dtype=torch.float32))
     for j, (q_logits, w) in enumerate(zip(draft_logits, weights)):
-        # step j at t: target distribution at t + j + 1, predicted token t + j + 2
-        valid = _shift(loss_mask.bool(), j + 2, False) & (_shift(doc, j + 2, -1) == doc)  # [B, L]
-        top = _shift(target_top, j + 1, -1)  # [B, L] draft id of the target argmax, -1 = outside
-        in_kl = valid & (top >= 0)
-        b_idx, t_idx = in_kl.nonzero(as_tuple=True)  # gather rows: no shifted [B, L, Vd] copy
+        valid, top, b_idx, t_idx = _step_rows(j, target_top, loss_mask, doc)
         logp = logp_all[b_idx, t_idx + j + 1]  # [N, Vd]
         p = logp.exp()
-        # KL(p || q) = CE(p, q) - H(p). The fused soft-target cross entropy keeps one [N, Vd]
-        # tensor for backward (log q) instead of three (log q, p, log p - log q): the loss's
-        # share of peak memory. H(p) has no gradient.
         ce = F.cross_entropy(q_logits[b_idx, t_idx].float(), p, reduction="none")  # [N]
-        kl = ce + (p * logp).sum(-1)  # [N] forward KL(p || q)
-        n_kl = int(in_kl.sum())
-        out.loss = out.loss + w * kl.sum() / max(n_kl, 1)
+        kl = ce + (p * logp).sum(-1)  # [N] forward KL(p || q) = CE(p, q) - H(p)
         with torch.no_grad():
             hit = (q_logits.argmax(-1) == top) & valid & (top >= 0)
-        out.kl_sum.append(float(kl.detach().sum()))
-        out.kl_count.append(n_kl)
-        out.correct.append(int(hit.sum()))
-        out.count.append(int(valid.sum()))
+        out.loss = out.loss + w * kl.sum() / max(int(b_idx.numel()), 1)
+        _record(out, kl.sum(), int(b_idx.numel()), hit, valid)
     return out
+
+
+def ttt_loss_fused(
+    states: Sequence[torch.Tensor],
+    lm_head: torch.Tensor,
+    target_logits: torch.Tensor,
+    target_top: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc: torch.Tensor | None = None,
+    weights: Sequence[float] | None = None,
+    chunk: int = 512,
+) -> TTTLossOutput:
+    """`ttt_loss(lm_head(states), ...)` without ever holding a [B, L, Vd] draft tensor.
+
+    states: k tensors [B, L, H], the draft's normed states (`Eagle3Draft.ttt_states`);
+    lm_head: the draft's lm_head weight [Vd, H]. The scored rows of all steps go through lm_head
+    together, `chunk` rows at a time, each chunk's gradient formed on the spot (`_HeadKL`).
+    Plain autograd keeps two [N, Vd] fp32 tensors per step for backward (log q and p): at
+    L = 2048, Vd = 8192 and k = 3 that is 400 MB, the largest block of the trainer's peak
+    memory. Same FLOPs.
+    """
+    weights, doc = _check(len(states), weights, target_logits.shape, target_top, loss_mask, doc)
+    L = target_logits.shape[1]
+    steps, hs, rows, scale = [], [], [], []
+    for j, (h, w) in enumerate(zip(states, weights)):
+        valid, top, b_idx, t_idx = _step_rows(j, target_top, loss_mask, doc)
+        steps.append((valid, top, b_idx, t_idx))
+        hs.append(h[b_idx, t_idx])  # [N_j, H]
+        rows.append(b_idx * L + t_idx + j + 1)  # row of the target distribution in [B * L, Vd]
+        scale.append(torch.full((b_idx.numel(),), w / max(b_idx.numel(), 1), device=h.device))
+    need_grad = torch.is_grad_enabled() and (lm_head.requires_grad or any(h.requires_grad for h in states))
+    loss, kl, arg = _HeadKL.apply(torch.cat(hs), lm_head, target_logits.reshape(-1, target_logits.shape[-1]),
+                                  torch.cat(rows), torch.cat(scale), chunk, need_grad)
+    out = TTTLossOutput(loss=loss)
+    for (valid, top, b_idx, t_idx), kl_j, arg_j in zip(steps, kl.split([len(r) for r in rows]), arg.split([len(r) for r in rows])):
+        hit = torch.zeros_like(valid)
+        hit[b_idx, t_idx] = arg_j == top[b_idx, t_idx]
+        _record(out, kl_j.sum(), int(b_idx.numel()), hit, valid)
+    return out
+
+
+def _record(out: TTTLossOutput, kl_sum: torch.Tensor, n_kl: int, hit: torch.Tensor, valid: torch.Tensor) -> None:
+    out.kl_sum.append(float(kl_sum.detach()))
+    out.kl_count.append(n_kl)
+    out.correct.append(int(hit.sum()))
+    out.count.append(int(valid.sum()))
+    out.hits.append(hit)
+
+
+class _HeadKL(torch.autograd.Function):
+    """sum_i scale_i * KL(p_i || softmax(h_i W^T)) over rows i, p_i = softmax(target_logits[rows_i]).
+
+    The gradient is formed in the forward pass, chunk by chunk (d KL / d z = softmax(z) - p),
+    so nothing of size [N, Vd] outlives a chunk; backward only scales the stored grads by the
+    incoming scalar. Also returns each row's KL and the draft argmax (for top-1 agreement).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, target_logits, rows, scale, chunk, need_grad):  # h [N, H], weight [Vd, H], rows/scale [N]
+        W = weight.float()
+        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_grad else None
+        grad_w = torch.zeros_like(W) if need_grad else None
+        kl = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        arg = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):  # fp32 softmax and KL under bf16 autocast too
+            for s in range(0, h.shape[0], chunk):
+                hc = h[s : s + chunk].float()
+                z = hc @ W.T  # [c, Vd] draft logits
+                arg[s : s + chunk] = z.argmax(-1)
+                logq = z.log_softmax(-1)
+                logp = target_logits[rows[s : s + chunk]].float().log_softmax(-1)
+                p = logp.exp()
+                kl[s : s + chunk] = (p * (logp - logq)).sum(-1)
+                if not need_grad:  # validation: no gradient to form
+                    continue
+                dz = logq.exp_().sub_(p).mul_(scale[s : s + chunk, None])  # scale * (softmax(z) - p), in place
+                grad_h[s : s + chunk] = dz @ W
+                grad_w.addmm_(dz.T, hc)
+        if need_grad:
+            ctx.save_for_backward(grad_h.to(h.dtype), grad_w.to(weight.dtype))
+        ctx.mark_non_differentiable(kl, arg)
+        return (kl * scale).sum(), kl, arg
+
+    @staticmethod
+    def backward(ctx, g, _gkl, _garg):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * g, grad_w * g, None, None, None, None, None

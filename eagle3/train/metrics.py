@@ -11,30 +11,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from eagle3.train.loss import _shift
 
 
 @torch.no_grad()
-def chain_acceptance(logits: Sequence[torch.Tensor], top: torch.Tensor, loss_mask: torch.Tensor,
-                     doc: torch.Tensor) -> tuple[float, float, list[float]]:
+def chain_acceptance(out) -> tuple[float, float, list[float]]:
     """(sum of accepted lengths, scored positions, positions reaching each step) for one batch.
 
-    logits: k x [B, L, Vd]; top: [B, L] draft id of the target argmax (-1 outside the draft
-    vocab); loss_mask, doc: [B, L]. Alignment as in `eagle3.train.loss.ttt_loss`.
+    out: a `TTTLossOutput`; its per-step hits [B, L] are aligned by position t (step j at t
+    proposes token t + j + 2), so a chain at t accepts while every step so far hit.
     """
-    hits = []
-    for j, q in enumerate(logits):
-        valid = _shift(loss_mask.bool(), j + 2, False) & (_shift(doc, j + 2, -1) == doc)
-        t = _shift(top, j + 1, -1)
-        hits.append((q.argmax(-1) == t) & valid & (t >= 0))
-        if j == 0:
-            scored = valid
-    chain = torch.stack(hits).long().cumprod(0)  # [k, B, L]: 1 while every step so far hit
-    return float(chain.sum()), float(scored.sum()), [float(c) for c in chain.sum((1, 2))]
+    chain = torch.stack(out.hits).long().cumprod(0)  # [k, B, L]: 1 while every step so far hit
+    return float(chain.sum()), float(out.count[0]), [float(c) for c in chain.sum((1, 2))]
 
 
 class Meter:
