@@ -1,0 +1,209 @@
+"""Fault drills shared by tests/test_faults.py (a subset) and benchmarks/faults.py (the full matrix).
+
+A drill runs a real `eagle3` stage process with EAGLE3_KILL_AT set, checks that it died of
+SIGKILL at that point, reruns the same command, and compares the result with an uninterrupted
+run: shard sha256s for extraction; the loss trajectory and the exported weights for training.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.atomic import sha256_file
+
+REPO = Path(__file__).resolve().parents[1]
+CODE = [REPO]  # where stage processes import eagle3 from (see snapshot_code)
+
+
+def snapshot_code(dest: Path) -> Path:
+    """Run every drill process on a frozen copy of the code: a reference run and its rerun must run
+    the same code, and this working tree may be edited while a long drill runs."""
+    import shutil
+
+    for pkg in ("eagle3", "tasks", "flows"):
+        shutil.copytree(REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    CODE[0] = dest
+    return dest
+AUX = [1, 3, 4]  # the 6-layer tiny Llama
+# 65 KiB shards hold one ~90-token sample (517 bytes/token at H=64, bf16), and a 128-token batch
+# budget runs one sample per forward: every sample is its own batch and its own shard commit.
+EXTRACT_FLAGS = ["--aux-layers", ",".join(map(str, AUX)), "--shard-bytes", str(1 << 16), "--batch-tokens", "128"]
+TRAIN_FLAGS = ["--max-steps", "24", "--epochs", "20", "--ttt-steps", "2", "--pack-tokens", "128", "--log-every", "1",
+               "--val-every", "3", "--ckpt-every", "2", "--warmup-steps", "1", "--threads", "1", "--lr", "1e-3"]
+
+
+@dataclass
+class Inputs:
+    model: Path
+    prep: Path
+    ver: Path
+    hid: Path  # the uninterrupted extract run
+    train: Path  # the uninterrupted train run
+
+
+def build_inputs(root: Path, model: Path, conversations: int = 30) -> Inputs:
+    """Prepare `conversations` real ShareGPT conversations, then the uninterrupted extract and train runs."""
+    from eagle3.config import PrepareConfig
+    from eagle3.data.prepare import prepare
+    from eagle3.verifier import extract_verifier
+
+    x = Inputs(model, root / "prep", root / "ver", root / "hid", root / "train")
+    prepare(model, x.prep, PrepareConfig(data="sharegpt", limit=conversations, max_len=96, val_fraction=0.15,
+                                         draft_vocab=256), progress=False)
+    extract_verifier(model, x.prep, x.ver)
+    for cmd in (extract_cmd(x, x.hid), train_cmd(x, x.train)):
+        r = cli(cmd)
+        assert r.returncode == 0, r.stderr[-3000:]
+    return x
+
+
+def extract_cmd(x: Inputs, out: Path) -> list[str]:
+    return ["extract", "--model", str(x.model), "--prepared", str(x.prep), "--out", str(out), *EXTRACT_FLAGS]
+
+
+def train_cmd(x: Inputs, out: Path) -> list[str]:
+    return ["train", "--hidden", str(x.hid), "--verifier", str(x.ver), "--out", str(out), *TRAIN_FLAGS]
+
+
+def cli(argv: list[str], env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_KILL")}
+    return subprocess.run([sys.executable, "-m", "eagle3.cli", *argv], capture_output=True, text=True, cwd=CODE[0],
+                          env={**clean, **(env or {})}, timeout=timeout)
+
+
+# ---------------------------------------------------------------- what "equal" means
+def shard_digests(d: Path) -> list[tuple[str, str]]:
+    """(file, sha256) of every shard, as the manifest records it and as the bytes on disk say."""
+    m = json.loads((d / "manifest.json").read_text())
+    return [(s["file"], s["sha256"]) for s in m["shards"]] + [
+        (s["file"], sha256_file(d / s["file"])) for s in m["shards"]]
+
+
+def losses(d: Path) -> list[tuple[int, float]]:
+    """The loss trajectory: (step, loss) of every train and validation record."""
+    rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return [(r["step"], r["split"], r["loss"]) for r in rows]
+
+
+def weights(d: Path) -> str:
+    return sha256_file(d / "final" / "model.safetensors")
+
+
+def leftovers(d: Path) -> list[str]:
+    return [str(p) for p in d.rglob(".*.tmp")]
+
+
+# ---------------------------------------------------------------- one drill
+@dataclass
+class Drill:
+    stage: str
+    point: str
+    killed: bool = False  # the process died of SIGKILL at the point
+    recovered: bool = False  # the rerun finished (exit 0, no temp leftovers)
+    equal: bool = False  # its outputs equal the uninterrupted run's
+    detail: str = ""
+
+
+def kill_drill(stage: str, spec: str, x: Inputs, out: Path) -> Drill:
+    """Run the stage with EAGLE3_KILL_AT=spec, rerun it, compare with the uninterrupted run."""
+    cmd = extract_cmd(x, out) if stage in ("extract", "shard commit") else train_cmd(x, out)
+    d = Drill(stage, spec)
+    first = cli(cmd, {"EAGLE3_KILL_AT": spec})
+    d.killed = first.returncode == -signal.SIGKILL
+    if not d.killed:
+        d.detail = f"not killed (exit {first.returncode}): {first.stderr[-300:]}"
+        return d
+    return _rerun_and_compare(d, cmd, x, out)
+
+
+def random_kill_drill(stage: str, delay_s: float, x: Inputs, out: Path) -> Drill:
+    """SIGKILL the real process from outside after `delay_s` seconds (wherever it happens to be)."""
+    cmd = extract_cmd(x, out) if stage == "extract" else train_cmd(x, out)
+    d = Drill(stage, f"external SIGKILL after {delay_s:.2f}s")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_KILL")}
+    p = subprocess.Popen([sys.executable, "-m", "eagle3.cli", *cmd], cwd=CODE[0], env=clean,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(delay_s)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    d.killed = p.returncode == -signal.SIGKILL
+    if not d.killed:
+        d.detail = "finished before the kill"
+        return d
+    return _rerun_and_compare(d, cmd, x, out)
+
+
+def _rerun_and_compare(d: Drill, cmd: list[str], x: Inputs, out: Path) -> Drill:
+    again = cli(cmd)
+    d.recovered = again.returncode == 0 and not leftovers(out)
+    if not d.recovered:
+        d.detail = f"rerun exit {again.returncode}, leftovers {leftovers(out)[:3]}: {again.stderr[-500:]}"
+        return d
+    if cmd[0] == "extract":
+        d.equal = shard_digests(out) == shard_digests(x.hid)
+    else:
+        d.equal = losses(out) == losses(x.train) and weights(out) == weights(x.train)
+    d.detail = "" if d.equal else "outputs differ from the uninterrupted run"
+    return d
+
+
+# ---------------------------------------------------------------- ENOSPC on a small tmpfs
+def tmpfs_available() -> bool:
+    """A private mount namespace (root, or unprivileged user namespaces) where a tmpfs can be mounted."""
+    try:
+        return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+ENOSPC_SCRIPT = r"""
+set -u
+mount -t tmpfs -o size="$SMALL" tmpfs "$DISK"
+"$PY" -m eagle3.cli "$@" > /dev/null 2> "$RES/first.err"; echo $? > "$RES/first.rc"
+find "$DISK" -name '.*.tmp' > "$RES/leftovers.txt"
+ls "$DISK/out/shards" > "$RES/committed.txt" 2>/dev/null
+mount -o remount,size="$BIG" "$DISK"   # space freed
+"$PY" -m eagle3.cli "$@" > /dev/null 2> "$RES/second.err"; echo $? > "$RES/second.rc"
+cp -r "$DISK/out" "$RES/out"
+"""
+
+
+@dataclass
+class EnospcResult:
+    first_rc: int
+    message: str
+    leftovers: list[str]
+    committed: int
+    second_rc: int
+    out: Path
+
+
+def enospc_extract(x: Inputs, work: Path, fraction: float = 0.4) -> EnospcResult:
+    """Extract on a tmpfs that holds `fraction` of the shards; grow it; rerun. Runs in its own mount
+    namespace, so nothing is mounted on this machine after it."""
+    total = sum(s["num_bytes"] for s in json.loads((x.hid / "manifest.json").read_text())["shards"])
+    disk, res = work / "disk", work / "res"
+    disk.mkdir(parents=True)
+    res.mkdir()
+    env = {**os.environ, "SMALL": str(int(total * fraction) // 4096 * 4096), "BIG": str(8 * total + (16 << 20)),
+           "DISK": str(disk), "RES": str(res), "PY": sys.executable}
+    env = {k: v for k, v in env.items() if not k.startswith("EAGLE3_KILL")}
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", ENOSPC_SCRIPT, "sh", *extract_cmd(x, disk / "out")],
+                       cwd=CODE[0], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    err = (res / "first.err").read_text().strip().splitlines()
+    return EnospcResult(
+        first_rc=int((res / "first.rc").read_text()),
+        message="\n".join(ln for ln in err if "error" in ln.lower() or "Traceback" in ln),
+        leftovers=(res / "leftovers.txt").read_text().split(),
+        committed=len([f for f in (res / "committed.txt").read_text().split() if f.endswith(".safetensors")]),
+        second_rc=int((res / "second.rc").read_text()),
+        out=res / "out",
+    )
