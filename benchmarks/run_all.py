@@ -26,6 +26,7 @@ BENCHES = {
     "ttt_attention": ["ttt_attention.py"],
     "train": ["train.py"],
     "regenerate": ["regenerate.py"],
+    "faults": ["faults.py"],
 }
 QUICK = {  # smaller settings for a smoke run of this script itself
     "prepare": ["--limit", "200"],
@@ -97,7 +98,10 @@ def main() -> None:
     head = (f"# Benchmark results\n\nMachine: {machine()}\n\nDate: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; "
             f"commit `{commit}`{' (quick settings)' if a.quick else ''}.\n\nEvery figure below is printed by the "
             "script named above it; ratios are measured side by side in one process where the script says so.\n")
-    Path(a.out).write_text(head + "\n" + "\n".join(sections))
+    sys.path.insert(0, str(REPO))
+    from eagle3.atomic import atomic_write_text
+
+    atomic_write_text(Path(a.out), head + "\n" + "\n".join(sections))
     print(f"wrote {a.out}")
 
 

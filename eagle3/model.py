@@ -335,29 +335,28 @@ class Eagle3Draft(nn.Module):
     @classmethod
     def from_verifier(cls, config: DraftConfig, verifier_dir: str | Path) -> "Eagle3Draft":
         """A fresh draft whose embedding, lm_head rows and vocab map come from `eagle3 verifier`'s output."""
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         path = Path(verifier_dir) / VERIFIER_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no verifier weights (run `eagle3 verifier` first)")
-        t = load_file(path)
         model = cls(config)
         expect = {
-            "embed_tokens": (config.vocab_size, config.hidden_size),
-            "lm_head_draft": (config.draft_vocab_size, config.hidden_size),
-            "d2t": (config.draft_vocab_size,),
-            "t2d": (config.vocab_size,),
+            "embed_tokens": (model.embed_tokens.weight, (config.vocab_size, config.hidden_size)),
+            "lm_head_draft": (model.lm_head.weight, (config.draft_vocab_size, config.hidden_size)),
+            "d2t": (model.d2t, (config.draft_vocab_size,)),
+            "t2d": (model.t2d, (config.vocab_size,)),
         }
-        for name, shape in expect.items():
-            if name not in t:
-                raise ValueError(f"{path}: missing tensor {name!r}")
-            if tuple(t[name].shape) != shape:
-                raise ValueError(f"{path}: {name} has shape {tuple(t[name].shape)}, the draft config needs {shape}")
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(t["embed_tokens"])
-            model.lm_head.weight.copy_(t["lm_head_draft"])
-            model.d2t.copy_(t["d2t"])
-            model.t2d.copy_(t["t2d"])
+        # tensor by tensor: never the whole file (its full lm_head too) in memory at once
+        with safe_open(str(path), "pt") as f, torch.no_grad():
+            for name, (dst, shape) in expect.items():
+                if name not in f.keys():
+                    raise ValueError(f"{path}: missing tensor {name!r}")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, the draft config needs {shape}")
+                dst.copy_(t)
+                del t
         return model
 
     # ------------------------------------------------------------ pieces
@@ -413,17 +412,9 @@ class Eagle3Draft(nn.Module):
         return self.head(self.midlayer.finish(attn, residual))
 
     # ------------------------------------------------------------ training
-    def ttt_forward(
-        self,
-        input_ids: torch.Tensor,
-        aux: torch.Tensor,
-        position_ids: torch.Tensor,
-        steps: int,
-        doc: torch.Tensor | None = None,
-        block: int | None = None,
-    ) -> list[torch.Tensor]:
-        """`ttt_states` followed by lm_head: `steps` tensors of draft logits [B, L, Vd]."""
-        return [self.logits(n) for n in self.ttt_states(input_ids, aux, position_ids, steps, doc, block)]
+    def ttt_forward(self, *args, **kwargs) -> list[torch.Tensor]:
+        """`ttt_states` (same arguments) followed by lm_head: `steps` tensors of draft logits [B, L, Vd]."""
+        return [self.logits(n) for n in self.ttt_states(*args, **kwargs)]
 
     def ttt_states(
         self,

@@ -209,12 +209,11 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
             return done
 
     draft = build_draft(cfg, hidden, verifier_dir).to(d.device)
-    head = TargetHead.from_verifier(verifier_dir).to(d.device)
-    if ver.tied_embeddings and not cfg.fsdp and torch.equal(head.lm_head, draft.embed_tokens.weight):
-        # tied target (SmolLM2, Llama-3.2-1B, ...): the head's lm_head *is* the draft's frozen
-        # embedding; one [V, H] fp32 copy instead of two (113 MB for SmolLM2). FSDP shards the
-        # embedding, so it keeps its own.
-        head.lm_head = draft.embed_tokens.weight.detach()
+    # A tied target (SmolLM2, Llama-3.2-1B, ...): the head's lm_head *is* the draft's frozen
+    # embedding, one [V, H] fp32 copy instead of two (113 MB for SmolLM2). FSDP shards the
+    # embedding, so there the head keeps its own.
+    shared = draft.embed_tokens.weight.detach() if ver.tied_embeddings and not cfg.fsdp else None
+    head = TargetHead.from_verifier(verifier_dir, lm_head=shared).to(d.device)
     train_store = open_store(hidden_dir, "train")
     val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
     lengths = train_store.lengths

@@ -60,15 +60,19 @@ class TargetHead(torch.nn.Module):
         self.register_buffer("t2d_index", t2d_index)  # [V] draft id, or -1 outside the draft vocab
 
     @classmethod
-    def from_verifier(cls, verifier_dir: str | Path, eps: float | None = None, chunk: int = 256) -> "TargetHead":
-        """Load from `eagle3 verifier`'s output (eps from its manifest unless given)."""
-        from safetensors.torch import load_file
+    def from_verifier(cls, verifier_dir: str | Path, eps: float | None = None, chunk: int = 256,
+                      lm_head: torch.Tensor | None = None) -> "TargetHead":
+        """Load from `eagle3 verifier`'s output (eps from its manifest unless given). `lm_head`:
+        use this [V, H] tensor instead of reading the file's (a tied target's head is the draft's
+        embedding: one copy in memory, not two)."""
+        from safetensors import safe_open
 
         from eagle3.artifacts import VerifierWeights
 
         man = VerifierWeights.read(verifier_dir)
-        t = load_file(Path(verifier_dir) / man.file)
-        return cls(t["norm"], man.rms_norm_eps if eps is None else eps, t["lm_head"], t["d2t"], chunk)
+        with safe_open(str(Path(verifier_dir) / man.file), "pt") as f:
+            head = f.get_tensor("lm_head") if lm_head is None else lm_head
+            return cls(f.get_tensor("norm"), man.rms_norm_eps if eps is None else eps, head, f.get_tensor("d2t"), chunk)
 
     @torch.no_grad()
     def forward(self, final: torch.Tensor, top: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
