@@ -147,9 +147,11 @@ def _rerun_and_compare(d: Drill, cmd: list[str], x: Inputs, out: Path) -> Drill:
         return d
     if cmd[0] == "extract":
         d.equal = shard_digests(out) == shard_digests(x.hid)
+        d.detail = "" if d.equal else "shard sha256s differ from the uninterrupted run"
     else:
-        d.equal = losses(out) == losses(x.train) and weights(out) == weights(x.train)
-    d.detail = "" if d.equal else "outputs differ from the uninterrupted run"
+        same_loss, same_w = losses(out) == losses(x.train), weights(out) == weights(x.train)
+        d.equal = same_loss and same_w
+        d.detail = "" if d.equal else f"vs the uninterrupted run: loss trajectory equal={same_loss}, weights equal={same_w}"
     return d
 
 
