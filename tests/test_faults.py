@@ -46,10 +46,9 @@ def test_malformed_kill_spec_is_refused():
     ("training", "train.step:5"),                   # between optimizer steps
     ("checkpoint save", "file.written@meta.json:3"),  # between the files of one checkpoint
     ("checkpoint save", "dir.written@best:1"),      # every file of `best` written, the dir not renamed
-    # Resuming from the checkpoint of an epoch's last step (16 here) re-runs the epoch-end validation,
-    # which the killed run had logged after that checkpoint: metrics.jsonl holds val@16 twice
-    # (weights equal). Found by benchmarks/faults.py; the fix belongs in eagle3/train/loop.py.
-    pytest.param("training", "train.step:17", marks=pytest.mark.xfail(strict=True, reason="epoch-end val logged twice")),
+    # the checkpoint of an epoch's last step (16) is saved before the epoch-end validation, which the
+    # killed run logged: the resume must not log it twice (found by benchmarks/faults.py)
+    ("training", "train.step:17"),
 ])
 def test_sigkill_at_point_then_rerun_equals_uninterrupted(stage, spec, inputs, tmp_path):
     d = kill_drill(stage, spec, inputs, tmp_path / "out")

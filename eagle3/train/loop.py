@@ -223,6 +223,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     weights = step_weights(cfg.ttt_steps, cfg.step_decay)
 
     pos, best = Pos(), {"tau": -1.0, "step": -1}
+    last_val = -1  # step of the latest validation: a checkpoint is saved before its step's epoch-end validation
 
     # ---- resume: model, optimizer, scheduler, data position, RNG
     last = ckpt.latest(out)
@@ -250,6 +251,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         pos, best = Pos(**state["pos"]), state["best"]
+        last_val = state.get("last_val", -1)
         if d.main:
             log.info("train: resumed from %s (step %d, epoch %d, epoch step %d)", last.name, pos.step, pos.epoch,
                      pos.epoch_step)
@@ -257,7 +259,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     metrics_path = out / METRICS
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
-        _truncate_metrics(metrics_path, pos.step)
+        _truncate_metrics(metrics_path, pos.step, last_val)
     tb = TensorBoard(out, d.main)
 
     def emit(rec: dict[str, Any]) -> None:
@@ -270,13 +272,12 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         osd = dist.optimizer_state(model, opt, cfg.fsdp)  # collective under FSDP: every rank calls it
         if d.main:
             state = {"optimizer": osd, "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
-                     "pos": pos.__dict__.copy(), "best": dict(best)}
+                     "pos": pos.__dict__.copy(), "best": dict(best), "last_val": last_val}
             ckpt.save(out, tag, sd, state, {"config": config, "inputs": inputs, "step": pos.step})
             if tag.startswith("step-"):
                 ckpt.prune(out, cfg.keep_last)
         dist.barrier()
 
-    last_val = -1
     tops = TopCache()
 
     def run_validation() -> None:
@@ -385,11 +386,13 @@ def _log_metrics(path: Path, rec: dict[str, Any]) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop records logged after the checkpoint: they will be logged again."""
+def _truncate_metrics(path: Path, step: int, last_val: int) -> None:
+    """On resume, drop records logged after the checkpoint: they will be logged again. That
+    includes a validation at the checkpoint's own step that ran after the save (an epoch end)."""
     if not path.is_file():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    recs = [(ln, json.loads(ln)) for ln in path.read_text().splitlines() if ln.strip()]
+    keep = [ln for ln, r in recs if r["step"] <= (last_val if r["split"] == "val" else step)]
     atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
 
