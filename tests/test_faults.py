@@ -93,6 +93,7 @@ def test_corrupt_newest_checkpoint_resumes_from_the_one_before(inputs, tmp_path)
     r = cli(train_cmd(inputs, out))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from step-00000004" in r.stderr
+    assert f"checkpoint step-00000006 skipped: {ckpts[-1] / 'state.pt'} does not match its checksum" in r.stderr
     assert losses(out) == losses(inputs.train) and weights(out) == weights(inputs.train)
 
 

@@ -7,6 +7,7 @@ files) is written last inside it, so a directory without a valid meta.json is ne
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.atomic import atomic_dir, atomic_write_json, sha256_file
+
+log = logging.getLogger("eagle3.train")
 
 CKPT_DIR = "checkpoints"
 BEST = "best"
@@ -50,16 +53,24 @@ def save(root: Path, name: str, model_state: dict[str, torch.Tensor], state: dic
     return final
 
 
-def valid(d: Path) -> bool:
-    """A complete checkpoint whose files match the checksums in its meta.json."""
+def problem(d: Path) -> str | None:
+    """Why checkpoint dir `d` is unusable (naming the file), or None: complete, checksums match."""
     m = d / "meta.json"
     if not m.is_file():
-        return False
+        return f"{m} is missing (an unfinished save)"
     try:
         meta = json.loads(m.read_text())
-        return all(sha256_file(d / f) == h for f, h in meta["files"].items())
-    except (OSError, ValueError, KeyError):
-        return False
+        for f, h in meta["files"].items():
+            if sha256_file(d / f) != h:
+                return f"{d / f} does not match its checksum in meta.json (corrupt or truncated)"
+    except (OSError, ValueError, KeyError) as e:
+        return f"{d}: unreadable ({e})"
+    return None
+
+
+def valid(d: Path) -> bool:
+    """A complete checkpoint whose files match the checksums in its meta.json."""
+    return problem(d) is None
 
 
 def step_dirs(root: Path) -> list[Path]:
@@ -68,10 +79,12 @@ def step_dirs(root: Path) -> list[Path]:
 
 
 def latest(root: Path) -> Path | None:
-    """Newest valid step checkpoint (a corrupt newest one is skipped, and said so by the caller)."""
+    """Newest valid step checkpoint; a corrupt newer one is skipped with a warning that names it."""
     for d in reversed(step_dirs(root)):
-        if valid(d):
+        why = problem(d)
+        if why is None:
             return d
+        log.warning("checkpoint %s skipped: %s", d.name, why)
     return None
 
 
