@@ -97,9 +97,10 @@ class TrainConfig(_Cfg):
     ckpt_every: int = Field(200, ge=1, description="checkpoint every N optimizer steps (and at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (plus the best by simulated tau)")
     log_every: int = Field(10, ge=1, description="log train metrics every N steps")
-    norm_before_fc: bool = Field(True, description="RMSNorm over the 3H input of fc (speculators #692)")
+    # defaults chosen by measured simulated tau: see DraftConfig and benchmarks/norm_switches.py
+    norm_before_fc: bool = Field(False, description="RMSNorm over the 3H input of fc (speculators #692; off by measurement)")
     norm_output: bool = Field(True, description="pass the normed hidden state to the next draft step")
-    norm_before_residual: bool = Field(False, description="vLLM's norm_before_residual switch")
+    norm_before_residual: bool = Field(False, description="vLLM's norm_before_residual switch (off by measurement)")
     attn_block: int = Field(256, ge=16, description="query block of the TTT attention kernel")
     fsdp: bool = Field(False, description="FSDP2 instead of DDP (CUDA only)")
     export_format: Literal["vllm", "speculators"] = Field("vllm", description="layout of final/")

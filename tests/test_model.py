@@ -57,7 +57,12 @@ def test_config_from_smollm2(smollm2_dir):
     assert c.rope_theta == 1e5 and c.rope_scaling is None
     assert c.aux_layer_ids == (2, 15, 27)  # vLLM's (2, N//2, N-3) for N = 30
     assert c.rms_norm_eps == pytest.approx(1e-5)
-    assert (c.norm_before_fc, c.norm_output, c.norm_before_residual) == (True, True, True)
+    # the measured defaults (benchmarks/norm_switches.py), the same in the draft and trainer configs
+    from eagle3.config import TrainConfig
+
+    t = TrainConfig()
+    assert (c.norm_before_fc, c.norm_output, c.norm_before_residual) == (False, True, False)
+    assert (t.norm_before_fc, t.norm_output, t.norm_before_residual) == (False, True, False)
     with pytest.raises(ValueError, match="aux_layer_ids"):
         DraftConfig.from_target(smollm2_dir, 8000, aux_layer_ids=(2, 15, 31))
     with pytest.raises(ValueError, match="exceeds the target vocab"):
@@ -92,7 +97,7 @@ def test_rope_is_exactly_the_targets(rope):
 
 
 def test_state_dict_uses_vllm_names():
-    m = _model()
+    m = _model(norm_before_fc=True)
     sd = m.state_dict()
     assert set(sd) == VLLM_NAMES
     assert sd["fc.weight"].shape == (32, 96) and sd["input_norm.weight"].shape == (96,)
@@ -173,7 +178,8 @@ def test_packed_ttt_equals_each_document_alone():
 
 
 def test_switch_semantics():
-    m_on, m_off = _model(), _model(norm_output=False, norm_before_residual=False, norm_before_fc=False)
+    m_on = _model(norm_output=True, norm_before_residual=True, norm_before_fc=True)
+    m_off = _model(norm_output=False, norm_before_residual=False, norm_before_fc=False)
     out = torch.randn(3, 32)
     normed, nxt = m_on.head(out)
     torch.testing.assert_close(nxt, normed)  # norm_output: the normed state goes on
