@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/run_all.py [--only prepare train ...] [--quick]
 
 Each benchmark is its own process; its last stdout line is one JSON object, copied into the
-results verbatim (flattened into a table), next to the command that produced it.
+results verbatim (flattened into a table), next to the command that produced it. With --only,
+the sections of the other benchmarks are kept from the existing file, each stamped with the
+date and commit it ran at.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -67,6 +70,22 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs{mem}{gpu}; Python {platform.python_version()}"
 
 
+def earlier_sections(path: Path) -> dict[str, str]:
+    """Sections of an existing results file by benchmark name, each stamped with its run."""
+    if not path.is_file():
+        return {}
+    text = path.read_text()
+    # files written before sections carried their own stamp: the header's date and commit
+    old = re.search(r"Date: (.+?); commit `(\w+)`", text)
+    out = {}
+    for part in re.split(r"(?m)^## ", text)[1:]:
+        name, _, rest = part.partition("\n")
+        if old and not rest.lstrip().startswith("Ran "):
+            rest = f"\nRan {old.group(1)} at commit `{old.group(2)}`. " + rest.lstrip("\n")
+        out[name.strip()] = f"## {name}\n{rest.rstrip()}\n"
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=None)
@@ -74,7 +93,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
     a = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    sections = []
+    now = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    stamp = f"Ran {now} at commit `{commit}`{' (quick settings)' if a.quick else ''}."
+    kept = earlier_sections(Path(a.out))
+    sections = {}
     for name, script in BENCHES.items():
         if a.only and name not in a.only:
             continue
@@ -87,21 +109,22 @@ def main() -> None:
         wall = time.perf_counter() - t0
         shown = " ".join([".venv/bin/python", f"benchmarks/{script[0]}", *cmd[2:]])
         if p.returncode:
-            sections.append(f"## {name}\n\n`{shown}` failed (exit {p.returncode}):\n\n```\n{p.stderr[-1500:]}\n```\n")
+            sections[name] = f"## {name}\n\n{stamp} `{shown}` failed (exit {p.returncode}):\n\n```\n{p.stderr[-1500:]}\n```\n"
             print(f"{name}: FAILED", flush=True)
             continue
         figs = json.loads(p.stdout.strip().splitlines()[-1])
         rows = "\n".join(f"| {k} | {v} |" for k, v in flatten(figs))
         human = "\n".join(p.stdout.strip().splitlines()[:-1][-12:])
-        sections.append(f"## {name}\n\n`{shown}` ({wall:.0f} s)\n\n```\n{human}\n```\n\n| figure | value |\n|---|---|\n{rows}\n")
+        sections[name] = f"## {name}\n\n{stamp} `{shown}` ({wall:.0f} s)\n\n```\n{human}\n```\n\n| figure | value |\n|---|---|\n{rows}\n"
         print(f"{name}: done in {wall:.0f} s", flush=True)
-    head = (f"# Benchmark results\n\nMachine: {machine()}\n\nDate: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; "
-            f"commit `{commit}`{' (quick settings)' if a.quick else ''}.\n\nEvery figure below is printed by the "
+    head = (f"# Benchmark results\n\nMachine: {machine()}\n\nWritten {now}. Every figure below is printed by the "
             "script named above it; ratios are measured side by side in one process where the script says so.\n")
+    order = [n for n in BENCHES if n in sections or n in kept]
+    body = [sections.get(n) or kept[n] for n in order]
     sys.path.insert(0, str(REPO))
     from eagle3.atomic import atomic_write_text
 
-    atomic_write_text(Path(a.out), head + "\n" + "\n".join(sections))
+    atomic_write_text(Path(a.out), head + "\n" + "\n".join(body))
     print(f"wrote {a.out}")
 
 
