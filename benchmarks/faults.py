@@ -110,6 +110,16 @@ def prefect_drills(x: fd.Inputs, work: Path) -> list[dict]:
     ]
 
 
+def tally(row: dict, d, stage: str, point: str) -> None:
+    """Count one drill's outcome into its stage's row and print it."""
+    row["tried"] += 1
+    row["killed"] += d.killed
+    row["recovered"] += d.recovered
+    row["equal"] += d.equal
+    print(f"  {stage:<16} {point:<36} killed={d.killed} recovered={d.recovered} equal={d.equal} {d.detail[:120]}",
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--per-stage", type=int, default=20, help="kill points per stage (default 20)")
@@ -135,12 +145,7 @@ def main() -> int:
         for spec in specs:
             n += 1
             d = fd.kill_drill(stage, spec, x, root / "drills" / str(n))
-            r["tried"] += 1
-            r["killed"] += d.killed
-            r["recovered"] += d.recovered
-            r["equal"] += d.equal
-            print(f"  {stage:<16} {spec:<36} killed={d.killed} recovered={d.recovered} equal={d.equal} {d.detail[:120]}",
-                  flush=True)
+            tally(r, d, stage, spec)
             if not d.equal:
                 failures.append({"stage": stage, "point": spec, "detail": d.detail[:300]})
     rng = random.Random(0)
@@ -151,12 +156,7 @@ def main() -> int:
             n += 1
             d = fd.random_kill_drill("extract" if stage == "extract" else "train", rng.uniform(lo, hi), x,
                                      root / "drills" / str(n))
-            r["tried"] += 1
-            r["killed"] += d.killed
-            r["recovered"] += d.recovered
-            r["equal"] += d.equal
-            print(f"  {stage:<16} {d.point:<36} killed={d.killed} recovered={d.recovered} equal={d.equal} {d.detail[:120]}",
-                  flush=True)
+            tally(r, d, stage, d.point)
 
     enospc = None
     if fd.tmpfs_available():

@@ -117,7 +117,7 @@ def main() -> None:
         human = "\n".join(p.stdout.strip().splitlines()[:-1][-12:])
         sections[name] = f"## {name}\n\n{stamp} `{shown}` ({wall:.0f} s)\n\n```\n{human}\n```\n\n| figure | value |\n|---|---|\n{rows}\n"
         print(f"{name}: done in {wall:.0f} s", flush=True)
-    head = (f"# Benchmark results\n\nMachine: {machine()}\n\nWritten {now}. Every figure below is printed by the "
+    head = (f"# Benchmark results\n\nMachine: {machine()}\n\nWritten {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. Every figure below is printed by the "
             "script named above it; ratios are measured side by side in one process where the script says so.\n")
     order = [n for n in BENCHES if n in sections or n in kept]
     body = [sections.get(n) or kept[n] for n in order]
