@@ -52,8 +52,8 @@ def verify_dir(d: Path) -> Finding:
 
         for c in ckpt.step_dirs(d) + ([d / ckpt.CKPT_DIR / ckpt.BEST] if (d / ckpt.CKPT_DIR / ckpt.BEST).is_dir() else []):
             f.checked += 1
-            if not ckpt.valid(c):
-                f.bad.append(f"{c}: checkpoint files do not match its meta.json (a resume skips it)")
+            if why := ckpt.problem(c):
+                f.bad.append(f"{why} (a resume skips this checkpoint)")
     if f.kind == "eval" and not (d / "report.json").is_file():
         f.bad.append(f"{d / 'report.json'}: missing")
     return f

@@ -219,15 +219,14 @@ def run_extract(
     cfg_dump = cfg.model_dump(mode="json")
 
     known: dict[str, str] = {}  # shard file -> sha256 a finished run recorded
+    checked: dict[str, str | None] = {}  # shard file -> its problem (None: sound), for shards hashed below
     if HiddenStates.exists(out):
         done = HiddenStates.read(out)
         known = {s.file: s.sha256 for s in done.shards}
         if done.inputs == inputs and done.config == cfg_dump:
-            bad = [b for s in done.shards if (b := shard_problem(out / s.file, s.sha256))]
-            if not bad:
+            checked = {s.file: shard_problem(out / s.file, s.sha256) for s in done.shards}
+            if not any(checked.values()):
                 return done
-            for b in bad:
-                print(f"eagle3 extract: {b}; rebuilding it", file=sys.stderr)
         (out / "manifest.json").unlink()  # out is about to change: it is no longer a finished stage
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
     clean_temp_files(out)
@@ -243,7 +242,7 @@ def run_extract(
     for p in plans:
         if (m := shard_meta(out / p.file)) is None or m.get("key") != p.key:
             continue
-        bad = shard_problem(out / p.file, known.get(p.file))
+        bad = checked[p.file] if p.file in checked else shard_problem(out / p.file, known.get(p.file))
         if bad:
             print(f"eagle3 extract: {bad}; rebuilding it", file=sys.stderr)
         else:

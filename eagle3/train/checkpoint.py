@@ -68,11 +68,6 @@ def problem(d: Path) -> str | None:
     return None
 
 
-def valid(d: Path) -> bool:
-    """A complete checkpoint whose files match the checksums in its meta.json."""
-    return problem(d) is None
-
-
 def step_dirs(root: Path) -> list[Path]:
     base = root / CKPT_DIR
     return sorted(p for p in base.glob("step-*") if p.is_dir()) if base.is_dir() else []

@@ -1,7 +1,7 @@
 """The training loop: read it top to bottom.
 
 One optimizer step = `grad_accum` packed rows on each of `world` ranks. Each row runs k unrolled
-TTT steps of the draft (`Eagle3Draft.ttt_forward`) against targets computed on the fly from
+TTT steps of the draft (`Eagle3Draft.ttt_states`) against targets computed on the fly from
 the stored final hidden states through the verifier's norm + lm_head (`TargetHead`). The loss
 of a row is the step-weighted mean forward KL (`ttt_loss_fused`); the step loss is the mean over the
 step's rows, so 1 process x 2 rows and 2 processes x 1 row give the same gradients.
