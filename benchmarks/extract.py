@@ -32,7 +32,8 @@ sys.path.insert(0, str(REPO))
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import ExtractConfig, PrepareConfig  # noqa: E402
 from eagle3.extract import open_store, run_extract  # noqa: E402
-from eagle3.extract.hf import HFBackend, load_base_model  # noqa: E402
+from eagle3.extract.hf import HFBackend  # noqa: E402
+from eagle3.target import Target  # noqa: E402
 
 
 class TimedHF(HFBackend):
@@ -115,7 +116,7 @@ def main() -> None:
             from eagle3.data.prepare import prepare
 
             prepare(model, prep, PrepareConfig(data="sharegpt", limit=a.limit, max_len=a.max_len), progress=False)
-        base = load_base_model(model, "cpu")
+        base = Target.open(model).load_model(head=False, device="cpu")
         n = base.config.num_hidden_layers
         H = base.config.hidden_size
         ids = [2, n // 2, n - 3, n]

@@ -24,12 +24,13 @@ sys.path.insert(0, str(REPO))
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import PrepareConfig  # noqa: E402
 from eagle3.data.normalize import conversations  # noqa: E402
-from eagle3.data.prepare import load_tokenizer, prepare  # noqa: E402
+from eagle3.data.prepare import prepare  # noqa: E402
+from eagle3.target import Target  # noqa: E402
 from eagle3.data.readers import ReadStats, iter_source, resolve_source  # noqa: E402
 
 
 def naive(model: Path, limit: int, max_len: int) -> tuple[float, int, int]:
-    tok = load_tokenizer(model)
+    tok = Target.open(model).tokenizer()
     t0, n, toks = time.perf_counter(), 0, 0
     for _, msgs in conversations(iter_source(resolve_source("sharegpt"), ReadStats())):
         if n >= limit:
@@ -51,7 +52,7 @@ def main() -> None:
     model = materialize_smollm2(a.model) if Path(a.model).name == "smollm2" else Path(a.model)
     cfg = PrepareConfig(data="sharegpt", limit=a.limit, max_len=a.max_len)
     with tempfile.TemporaryDirectory() as tmp:
-        load_tokenizer(model)  # warm the file cache for both contenders
+        Target.open(model).tokenizer()  # warm the file cache for both contenders
         t0 = time.perf_counter()
         m = prepare(model, Path(tmp) / "out", cfg, progress=False)
         dt = time.perf_counter() - t0

@@ -17,6 +17,12 @@ class UserError(Exception):
     """An error the user can fix; printed without a traceback."""
 
 
+def _add_trust(p) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the target's own tokenizer code (auto_map in tokenizer_config.json), e.g. Kimi-K2.5's "
+                   "tiktoken tokenizer; off by default")
+
+
 # ---------------------------------------------------------------- assets
 def _add_assets(sub) -> None:
     p = sub.add_parser("assets", help="materialize the offline demo target model")
@@ -46,6 +52,7 @@ def _add_prepare(sub) -> None:
                    help="consecutive same-role turns: merge them (default) or drop the conversation")
     p.add_argument("--show", type=int, default=0, metavar="N",
                    help="print N samples with the trainable (loss-masked) spans highlighted")
+    _add_trust(p)
     p.set_defaults(func=_cmd_prepare)
 
 
@@ -58,7 +65,7 @@ def _cmd_prepare(a) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = PrepareConfig(data=a.data, max_len=a.max_len, limit=a.limit, draft_vocab=a.draft_vocab,
                         val_fraction=a.val_fraction, seed=a.seed, same_role=a.same_role)
-    m = prepare(a.model, a.out, cfg)
+    m = prepare(a.model, a.out, cfg, trust_remote_code=a.trust_remote_code)
     print(json.dumps({"out": a.out, "records_read": m.records_read, "records_kept": m.records_kept,
                       "skipped": m.skipped, "num_tokens": m.num_tokens,
                       "num_trainable_tokens": m.num_trainable_tokens,
@@ -66,10 +73,11 @@ def _cmd_prepare(a) -> None:
                       "vocab_coverage": round(m.vocab_map.coverage, 6),
                       "unreadable_tail_bytes": m.unreadable_tail_bytes}, indent=1))
     if a.show:
-        from eagle3.data.prepare import load_tokenizer, read_split
+        from eagle3.data.prepare import read_split
         from eagle3.data.template import show
+        from eagle3.target import Target
 
-        tok = load_tokenizer(a.model)
+        tok = Target.open(a.model, a.trust_remote_code).tokenizer()
         t = read_split(a.out, "train").slice(0, a.show).to_pylist()
         for row in t:
             print(f"\n===== record {row['record_id']} ({len(row['input_ids'])} tokens, "
@@ -143,6 +151,7 @@ def _add_extract(sub) -> None:
     p.add_argument("--pp", type=int, default=1, help="vllm: pipeline parallel size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm: gpu_memory_utilization")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vllm: max_num_batched_tokens")
+    _add_trust(p)
     p.set_defaults(func=_cmd_extract)
 
 
@@ -160,7 +169,7 @@ def _cmd_extract(a) -> None:
         tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
         gpu_memory_utilization=a.gpu_memory_utilization, max_num_batched_tokens=a.max_num_batched_tokens,
     )
-    m = run_extract(a.model, a.prepared, a.out, cfg, reuse=a.reuse)
+    m = run_extract(a.model, a.prepared, a.out, cfg, reuse=a.reuse, trust_remote_code=a.trust_remote_code)
     print(json.dumps({"out": a.out, "layer_ids": m.layer_ids, "storage": m.storage,
                       "num_samples": m.num_samples, "num_tokens": m.num_tokens,
                       "shards": len(m.shards), **m.stats}, indent=1))
@@ -202,6 +211,7 @@ def _add_eval(sub) -> None:
                    help="vllm: per engine (the target-only and the speculative engine share the GPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="hf: torch CPU threads (default torch's); 1 is fastest on a loaded shared CPU")
+    _add_trust(p)
     p.set_defaults(func=_cmd_eval)
 
 
@@ -215,7 +225,7 @@ def _cmd_eval(a) -> None:
         from eagle3.eval_vllm import evaluate_vllm
 
         m = evaluate_vllm(a.model, a.draft, a.prompts, a.k, a.out, a.max_new_tokens, a.limit,
-                          a.gpu_memory_utilization)
+                          a.gpu_memory_utilization, trust_remote_code=a.trust_remote_code)
     else:
         from eagle3.evaluate import evaluate
 
@@ -223,7 +233,7 @@ def _cmd_eval(a) -> None:
             print(f"eval: {i}/{n} prompts", file=sys.stderr, flush=True)
 
         m = evaluate(a.model, a.draft, a.prompts, a.k, a.out, a.max_new_tokens, a.limit, progress=progress,
-                     threads=a.threads)
+                     threads=a.threads, trust_remote_code=a.trust_remote_code)
     print(json.dumps({"out": a.out, "draft_format": m.draft_format, "k": m.k, "num_prompts": m.num_prompts,
                       "acceptance_length": round(m.acceptance_length, 4),
                       "per_position_acceptance": [round(x, 4) for x in m.per_position_acceptance],
@@ -306,6 +316,7 @@ def _add_regenerate(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="vllm: tensor parallel size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm: gpu_memory_utilization")
     p.add_argument("--threads", type=int, default=None, help="hf on CPU: torch threads (default: torch's)")
+    _add_trust(p)
     p.set_defaults(func=_cmd_regenerate)
 
 
@@ -329,7 +340,7 @@ def _cmd_regenerate(a) -> None:
         print(f"regenerate: {p['records_read']} records read, {p['records_written']} written, "
               f"{p['tokens_generated']} tokens at {p['tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
 
-    m = regenerate(a.model, a.data, a.out, cfg, reuse=a.reuse, progress=progress)
+    m = regenerate(a.model, a.data, a.out, cfg, reuse=a.reuse, progress=progress, trust_remote_code=a.trust_remote_code)
     print(json.dumps({"out": a.out, "file": f"{a.out}/{m.file}", "records_read": m.records_read,
                       "records_written": m.records_written, "skipped": m.skipped, "turns_written": m.turns_written,
                       "turns_cut": m.turns_cut, **m.stats}, indent=1))
@@ -355,10 +366,13 @@ def one_line(e: BaseException) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
+    # allow_abbrev=False everywhere: `--mode x` must never be read as `--model x`
+    ap = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for add in _ADDERS:
         add(sub)
+    for p in sub.choices.values():
+        p.allow_abbrev = False
     return ap
 
 

@@ -11,6 +11,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from eagle3.target import check_aux_ids
+
 DEFAULT_DRAFT_VOCAB = 32000
 
 
@@ -54,8 +56,8 @@ class ExtractConfig(_Cfg):
     backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, CPU or GPU) or 'vllm' (GPU host)")
     aux_layer_ids: list[int] | None = Field(
         None,
-        description="vLLM-convention ids of the 3 aux layers (id k = residual stream entering layer k); "
-        "default (2, N//2, N-3). The final pre-norm state (id N) is always stored too.",
+        description="vLLM-convention ids of the 3 aux layers (id k = residual stream entering layer k), "
+        "strictly increasing; default (2, N//2, N-3). The final pre-norm state (id N) is always stored too.",
     )
     storage: Literal["bf16", "fp32", "fp8", "fp8-aux"] = Field(
         "bf16", description="bf16; fp32; fp8 e4m3 with a per-token scale for all states; fp8 for aux only"
@@ -71,9 +73,7 @@ class ExtractConfig(_Cfg):
     @field_validator("aux_layer_ids")
     @classmethod
     def _three(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and len(v) != 3:
-            raise ValueError(f"aux_layer_ids must hold exactly 3 ids (got {v}); id N is added automatically")
-        return v
+        return None if v is None else check_aux_ids(v)
 
 
 class TrainConfig(_Cfg):
@@ -132,6 +132,10 @@ class PipelineConfig(_Cfg):
     """The whole run: where the target is, where outputs go, and each stage's settings."""
 
     model: str = Field("assets/smollm2", description="target model: an HF directory with safetensors + tokenizer")
+    trust_remote_code: bool = Field(
+        False, description="run the target's own tokenizer code (auto_map in tokenizer_config.json), e.g. Kimi's "
+        "tiktoken tokenizer; the model itself is always built by transformers' own classes",
+    )
     run_dir: str = Field("runs/demo", description="root dir; each stage writes <run_dir>/<stage>")
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)

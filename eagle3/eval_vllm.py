@@ -75,6 +75,7 @@ def evaluate_vllm(
     max_new_tokens: int = 256,
     limit: int | None = None,
     gpu_memory_utilization: float = 0.4,
+    trust_remote_code: bool = False,
 ):
     """`eagle3 eval --backend vllm`: the report of `evaluate`, measured by vLLM on a GPU."""
     import json
@@ -82,8 +83,7 @@ def evaluate_vllm(
     from vllm import LLM, SamplingParams
 
     from eagle3.config import EvalConfig
-    from eagle3.data.prepare import load_tokenizer
-    from eagle3.extract.run import model_fingerprint
+    from eagle3.target import Target
 
     cfg = EvalConfig(prompts=str(prompts), k=k, max_new_tokens=max_new_tokens, limit=limit, backend="vllm",
                      gpu_memory_utilization=gpu_memory_utilization)
@@ -92,9 +92,10 @@ def evaluate_vllm(
     if not cpath.is_file():
         raise ValueError(f"{draft_dir}: no config.json (expected an EAGLE-3 draft dir)")
     fmt = draft_format(json.loads(cpath.read_text()))
-    tok = load_tokenizer(model_dir)
+    target = Target.open(model_dir, trust_remote_code)
+    tok = target.tokenizer()
     common = dict(model=str(model_dir), dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
-                  enable_prefix_caching=False, disable_log_stats=False)
+                  enable_prefix_caching=False, disable_log_stats=False, trust_remote_code=trust_remote_code)
     base = LLM(**common)
     spec = LLM(**common, speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})
     sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
@@ -121,4 +122,4 @@ def evaluate_vllm(
     stats = stats_between(before, spec_counters(spec.get_metrics()), k)
     report = summarize(k, convs, stats, items, (n_spec, t_spec), (n_plain, t_plain), max_new_tokens)
     report.update(backend="vllm", draft_format=fmt, prompts=str(prompts), wall_seconds=time.perf_counter() - t0)
-    return finish_report(out, report, cfg, model_dir, draft_dir, prompts_fp, model_fingerprint(model_dir))
+    return finish_report(out, report, cfg, model_dir, draft_dir, prompts_fp, target.fingerprint())

@@ -36,7 +36,8 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle3.model import DraftConfig, Eagle3Draft, KVCache, target_text_config
+from eagle3.model import DraftConfig, Eagle3Draft, KVCache
+from eagle3.target import Target, default_aux_ids, prompt_ids
 
 log = logging.getLogger("eagle3.evaluate")
 
@@ -172,14 +173,8 @@ def load_prompts(src: str | Path, limit: int | None = None) -> tuple[list[Conver
     return (read_prepared_prompts(path, limit) if path.is_dir() else read_jsonl_prompts(path, limit)), fp
 
 
-def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Chat-template token ids of `messages` with the generation prompt (as served)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 # ================================================================ target
-class Target:
+class TargetLM:
     """An HF causal LM at batch size 1 with a KV cache; optionally catches the aux states.
 
     Aux ids follow vLLM (REFERENCE §2): id k < N is the stream entering decoder layer k (a
@@ -233,28 +228,12 @@ class Target:
             self.cache.crop(-drop)  # transformers 5: a negative count removes that many from the end
 
 
-def load_target(model_dir: str | Path, device: str | torch.device | None = None) -> tuple[torch.nn.Module, Any]:
-    """(causal LM in eval mode, tokenizer); fp32 on CPU (faster there, REFERENCE §4), bf16 on CUDA."""
-    from transformers import AutoModelForCausalLM
-
-    from eagle3.data.prepare import load_tokenizer
-
-    tok = load_tokenizer(model_dir)  # ValueError naming the dir when it has no tokenizer
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
-    return model, tok
-
-
-def eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
-    """Stop ids: generation_config's eos (int or list) plus the tokenizer's eos."""
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        ids |= set(e if isinstance(e, (list, tuple)) else [e] if e is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+def load_target(model_dir: str | Path, device: str | torch.device | None = None,
+                trust_remote_code: bool = False) -> tuple[torch.nn.Module, Any, set[int]]:
+    """(causal LM in eval mode, tokenizer, stop ids); fp32 on CPU (faster there), bf16 on CUDA."""
+    target = Target.open(model_dir, trust_remote_code)
+    tok = target.tokenizer()  # ValueError naming the dir when it has no tokenizer
+    return target.load_model(head=True, device=device), tok, target.stop_ids()
 
 
 # ================================================================ proposers
@@ -350,7 +329,7 @@ def _finish(out: list[int], max_new: int, eos: set[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def greedy_generate(target: Target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+def greedy_generate(target: TargetLM, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
     """Plain greedy decoding with a KV cache: the reference output and the speed baseline."""
     target.reset()
     (g,), _ = target.forward(prompt, last_only=True)
@@ -363,7 +342,7 @@ def greedy_generate(target: Target, prompt: list[int], max_new: int, eos: set[in
 
 @torch.inference_mode()
 def speculative_generate(
-    target: Target, proposer: Proposer, prompt: list[int], k: int, max_new: int, eos: set[int], stats: Stats
+    target: TargetLM, proposer: Proposer, prompt: list[int], k: int, max_new: int, eos: set[int], stats: Stats
 ) -> list[int]:
     """Chain speculative decoding with greedy verification; updates `stats` once per verify pass."""
     target.reset()
@@ -395,11 +374,11 @@ def run_conversation(conv: Conversation, tokenizer, generate: Callable[[list[int
     answers: list[list[int]] = []
     for i in range(conv.turns):
         if i == 0:
-            prompt = conv.ids if conv.ids is not None else render(tokenizer, msgs)
+            prompt = conv.ids if conv.ids is not None else prompt_ids(tokenizer, msgs)
         else:
             text = tokenizer.decode(answers[-1], skip_special_tokens=True)
             msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": conv.followups[i - 1]}]
-            prompt = render(tokenizer, msgs)
+            prompt = prompt_ids(tokenizer, msgs)
         answers.append(generate(prompt))
     return answers
 
@@ -419,7 +398,7 @@ def measure(
     convs: Sequence[Conversation],
     k: int,
     max_new_tokens: int,
-    eos: set[int] | None = None,
+    eos: set[int],
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Greedy and speculative decoding of every conversation, interleaved; returns the report dict.
@@ -431,15 +410,14 @@ def measure(
         raise ValueError(f"k must be >= 1, got {k}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    eos = eos if eos is not None else eos_ids(target_model, tokenizer)
-    plain, spec = Target(target_model), Target(target_model, aux_ids)
+    plain, spec = TargetLM(target_model), TargetLM(target_model, aux_ids)
     stats = Stats(k)
     t_plain = t_spec = 0.0
     n_plain = n_spec = 0
     items = []
 
     # One short warm-up of each path: the first forward pays allocator and kernel setup.
-    warm = render(tokenizer, [{"role": "user", "content": "Hi"}])
+    warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
     greedy_generate(plain, warm, 2, eos)
     speculative_generate(spec, proposer, warm, k, 2, eos, Stats(k))
     for i, conv in enumerate(convs):
@@ -589,7 +567,7 @@ def load_draft(
     t = {_rename(k): v for k, v in tensors.items()}
     where = f"{d} ({files})"
 
-    tgt = target_text_config(target_dir)
+    tgt = Target.open(target_dir).text
     layer = dict(cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else dict(cfg)
     for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
         if key not in layer:
@@ -602,7 +580,7 @@ def load_draft(
     if aux is None and isinstance(cfg.get("eagle_config"), dict):
         aux = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
     N = tgt["num_hidden_layers"]
-    aux = list(aux) if aux else [2, N // 2, N - 3]  # vLLM's default for the target
+    aux = list(aux) if aux else default_aux_ids(N)  # vLLM's default for the target
     if len(aux) == 4 and aux[-1] == N:
         aux = aux[:3]  # some tools list the final layer too; the draft consumes 3
     switches = {
@@ -723,6 +701,7 @@ def evaluate(
     device: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     threads: int | None = None,
+    trust_remote_code: bool = False,
 ):
     """`eagle3 eval` (HF backend): measure a draft head; write report.json, acceptance.png, manifest.json.
 
@@ -736,17 +715,29 @@ def evaluate(
     if threads:
         torch.set_num_threads(threads)
     convs, prompts_fp = load_prompts(prompts, limit)
-    model, tok = load_target(model_dir, device)
+    model, tok, eos = load_target(model_dir, device, trust_remote_code)
     draft, fmt = load_draft(draft_dir, model_dir, model.get_input_embeddings().weight)
     p = next(model.parameters())
-    draft = draft.to(device=p.device, dtype=p.dtype)  # int buffers (d2t, t2d) keep their dtype
+    draft = cast_draft(draft, p.device, p.dtype)
     t0 = time.perf_counter()
     report = measure(model, tok, DraftProposer(draft), draft.config.aux_layer_ids, convs, k, max_new_tokens,
-                     progress=progress)
-    from eagle3.extract.run import model_fingerprint
-
+                     eos, progress=progress)
     report.update(backend="hf", draft_format=fmt, prompts=str(prompts), wall_seconds=time.perf_counter() - t0)
-    return finish_report(out, report, cfg, model_dir, draft_dir, prompts_fp, model_fingerprint(model_dir))
+    return finish_report(out, report, cfg, model_dir, draft_dir, prompts_fp, Target.open(model_dir).fingerprint())
+
+
+def cast_draft(draft: Eagle3Draft, device, dtype) -> Eagle3Draft:
+    """Move the draft to the target's device and dtype, casting parameters only.
+
+    `module.to(dtype=bf16)` would also cast the rotary module's `inv_freq` buffer: at position
+    4,000 a bf16 `inv_freq` puts the angles off by up to 3.6 rad, so the draft would read the wrong
+    positions and score low on GPU. vLLM builds cos/sin in fp32 (and transformers keeps inv_freq in
+    fp32 when loading in bf16), so the buffers stay as they are; int buffers (d2t, t2d) too.
+    """
+    draft = draft.to(device=device)
+    for p in draft.parameters():
+        p.data = p.data.to(dtype)
+    return draft
 
 
 def finish_report(out, report: dict[str, Any], cfg, model_dir, draft_dir, prompts_fp: str, model_fp: str):

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
+from eagle3.target import MLA_DRAFT_HEAD_DIM, Target, check_aux_ids, default_aux_ids, is_mla, rope_of, text_config
+
 VERIFIER_FILE = "verifier.safetensors"
 
 
@@ -77,6 +79,11 @@ class DraftConfig(BaseModel):
         False, description="residual of the draft layer is hidden_norm(h) instead of h (off here by measurement)"
     )
 
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _aux(cls, v: tuple[int, int, int]) -> tuple[int, int, int]:
+        return tuple(check_aux_ids(v))  # type: ignore[return-value]
+
     @field_validator("rope_scaling")
     @classmethod
     def _rope(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -105,31 +112,42 @@ class DraftConfig(BaseModel):
     @classmethod
     def from_target(
         cls,
-        target: str | Path | dict[str, Any],
+        target: "str | Path | dict[str, Any] | Target",
         draft_vocab_size: int,
         aux_layer_ids: tuple[int, int, int] | list[int] | None = None,
         **switches: bool,
     ) -> "DraftConfig":
-        """Draft config for a target, from its HF dir, its config.json dict, or a PretrainedConfig.
+        """Draft config for a target: its HF dir, a `Target`, or a (text) config.json dict.
 
-        The draft layer copies the target's layer shape and RoPE (theta + scaling) exactly;
+        The draft layer copies the target's layer shape and RoPE (theta + scaling) exactly, except
+        for an MLA target (DeepSeek-V3, Kimi-K2.5): its attention has no Llama head layout (its
+        config's `head_dim` is the 64-wide RoPE part of a 192-wide query), so the draft takes
+        `MLA_DRAFT_HEAD_DIM` (128) with the target's head counts, and plain RoPE at the target's
+        theta. DeepSeek's YaRN variant (`mscale`, `mscale_all_dim`) is not read the same way by a
+        Llama layer in vLLM as in transformers, and a draft must compute exactly what serving
+        computes; training samples sit within the YaRN's original context anyway.
         `aux_layer_ids` defaults to vLLM's (2, N//2, N-3). `switches` sets norm_before_fc,
         norm_output and norm_before_residual.
         """
-        cfg = target_text_config(target)
+        if isinstance(target, (str, Path)):
+            target = Target.open(target)
+        cfg = target.text if isinstance(target, Target) else text_config(dict(target))
         n = cfg["num_hidden_layers"]
-        aux = tuple(aux_layer_ids) if aux_layer_ids is not None else (2, n // 2, n - 3)
+        aux = tuple(aux_layer_ids) if aux_layer_ids is not None else tuple(default_aux_ids(n))
         if len(aux) != 3 or not all(0 <= i <= n for i in aux):
             raise ValueError(f"aux_layer_ids must be 3 ids in [0, {n}], got {aux}")
         H = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
-        theta, scaling = _rope_of(cfg)
+        theta, scaling = rope_of(cfg)
+        head_dim = cfg.get("head_dim") or H // heads
+        if is_mla(cfg):
+            head_dim, scaling = MLA_DRAFT_HEAD_DIM, None
         return cls(
             hidden_size=H,
             target_hidden_size=H,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or H // heads,
+            head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
@@ -140,41 +158,6 @@ class DraftConfig(BaseModel):
             aux_layer_ids=aux,
             **switches,
         )
-
-
-def target_text_config(target: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """The text-model part of a target's config as a dict (a VLM's `text_config`, else the whole)."""
-    if isinstance(target, (str, Path)):
-        import json
-
-        path = Path(target) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"{target}: no config.json (expected an HF model dir)")
-        cfg = json.loads(path.read_text())
-    elif isinstance(target, dict):
-        cfg = dict(target)
-    else:  # a transformers PretrainedConfig
-        cfg = target.to_dict()
-    for key in ("text_config", "language_config", "llm_config"):
-        if isinstance(cfg.get(key), dict) and "hidden_size" in cfg[key]:
-            return cfg[key]
-    return cfg
-
-
-def _rope_of(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from either transformers-5 `rope_parameters` or legacy rope_theta/rope_scaling."""
-    params = dict(cfg.get("rope_parameters") or {})
-    if params and not ("rope_theta" in params or "rope_type" in params):
-        raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
-    legacy = dict(cfg.get("rope_scaling") or {})
-    if "type" in legacy and "rope_type" not in legacy:
-        legacy["rope_type"] = legacy.pop("type")
-    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
-    scaling = params if params.get("rope_type", "default") != "default" else legacy
-    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    if not scaling or scaling.get("rope_type", "default") == "default":
-        return float(theta), None
-    return float(theta), scaling
 
 
 # ---------------------------------------------------------------- modules

@@ -13,13 +13,13 @@ Token counts come from the prepare manifest when it exists, else from the source
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import PipelineConfig, TargetPlan
+from eagle3.target import MLA_DRAFT_HEAD_DIM, Target
 
 GIB = 1 << 30
 SHAREGPT_RECORDS = 17_671     # complete records of the bundled (truncated) file
@@ -53,19 +53,17 @@ class Plan:
 
 
 def target_plan(cfg: PipelineConfig) -> TargetPlan:
-    path = Path(cfg.model) / "config.json"
-    if path.is_file():
-        c = json.loads(path.read_text())
-        c = c.get("text_config", c)
-        H, heads = c["hidden_size"], c["num_attention_heads"]
-        V, N, I = c["vocab_size"], c["num_hidden_layers"], c["intermediate_size"]
-        kv = c.get("num_key_value_heads") or heads
-        hd = c.get("head_dim") or H // heads
-        # dense estimate from the shapes: attention + MLP per layer, embeddings (+ lm_head if untied)
-        per_layer = H * (heads * hd) * 2 + H * (kv * hd) * 2 + 3 * H * I
-        params = N * per_layer + V * H * (1 if c.get("tie_word_embeddings") else 2)
-        return TargetPlan(hidden_size=H, num_hidden_layers=N, vocab_size=V, intermediate_size=I,
-                          num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, num_parameters=params,
+    """The target's shape: from its config.json when the dir is here, else the config's `target:` plan."""
+    if (Path(cfg.model) / "config.json").is_file():
+        t = Target.open(cfg.model)
+        c = t.text
+        H, heads = t.hidden_size, int(c["num_attention_heads"])
+        kv = int(c.get("num_key_value_heads") or heads)
+        total, active = t.parameter_counts()
+        return TargetPlan(hidden_size=H, num_hidden_layers=t.num_layers, vocab_size=t.vocab_rows,
+                          intermediate_size=int(c["intermediate_size"]), num_attention_heads=heads,
+                          num_key_value_heads=kv, head_dim=MLA_DRAFT_HEAD_DIM if t.is_mla else int(c.get("head_dim") or H // heads),
+                          num_parameters=total, active_parameters=active if active < total else None,
                           weight_bytes=4.0 if c.get("dtype", c.get("torch_dtype")) == "float32" else 2.0)
     if cfg.target is None:
         raise PreflightError(f"{cfg.model} is not on this machine; add a `target:` shape to the config to plan the run")

@@ -57,6 +57,7 @@ from eagle3.atomic import atomic_write_json, clean_temp_files, fsync_dir, sha256
 from eagle3.config import RegenConfig
 from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
+from eagle3.target import Target, prompt_ids
 
 log = logging.getLogger("eagle3.regenerate")
 
@@ -203,52 +204,17 @@ def resolve_dtype(cfg: RegenConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 is faster on CPU (REFERENCE §4)
 
 
-def load_hf(model_dir: str | Path, cfg: RegenConfig, device: str | None = None) -> tuple[HFGenerator, Any]:
-    """(HFGenerator, tokenizer) for the target in `model_dir`."""
-    from transformers import AutoModelForCausalLM
-
-    from eagle3.data.prepare import load_tokenizer
-    from eagle3.evaluate import eos_ids
-
-    tok = load_tokenizer(model_dir)
+def load_hf(target: Target, cfg: RegenConfig, device: str | None = None) -> tuple[HFGenerator, Any]:
+    """(HFGenerator, tokenizer) for a target."""
+    tok = target.tokenizer()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(cfg, dev)).to(dev).eval()
-    eos = eos_ids(model, tok)
+    model = target.load_model(head=True, device=dev, dtype=resolve_dtype(cfg, dev))
+    eos = target.stop_ids()
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
     return HFGenerator(model, eos, cfg, pad), tok
 
 
-def stop_ids(model_dir: str | Path, tok) -> set[int]:
-    """The stop ids as `eagle3.evaluate.eos_ids` finds them, read from the json files (no weights loaded)."""
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        p = Path(model_dir) / name
-        if p.is_file():
-            e = json.loads(p.read_text()).get("eos_token_id")
-            ids |= set(e if isinstance(e, list) else [e] if e is not None else [])
-    if tok.eos_token_id is not None:
-        ids.add(tok.eos_token_id)
-    return ids
-
-
 # ================================================================ records
-def render(tok, msgs: list[dict[str, str]]) -> list[int]:
-    """Chat-template token ids of `msgs` plus the generation prompt (as the target is served)."""
-    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def target_fingerprint(model_dir: str | Path) -> str:
-    """Everything of the target that changes its answers: weights + config, tokenizer + chat template,
-    generation config (stop ids)."""
-    from eagle3.data.prepare import tokenizer_fingerprint
-    from eagle3.extract.run import model_fingerprint
-
-    gc = Path(model_dir) / "generation_config.json"
-    return sha256_json({"model": model_fingerprint(model_dir), "tokenizer": tokenizer_fingerprint(model_dir),
-                        "generation_config": sha256_file(gc) if gc.is_file() else None})
-
-
 def record_key(model_fp: str, settings: dict[str, Any], msgs: list[dict[str, str]]) -> str:
     """Reuse key: the target, the settings and the prompt side of the conversation (assistant text excluded)."""
     prompt_side = [(m["role"], m["content"] if m["role"] != "assistant" else None) for m in msgs]
@@ -420,17 +386,17 @@ def regenerate(
     reuse: Sequence[str | Path] = (),
     generator: Generator | None = None,
     progress: Progress | None = None,
+    trust_remote_code: bool = False,
 ) -> RegeneratedData:
     """Run the stage; returns the manifest (also written to `out/manifest.json`).
 
     `generator` replaces the backend cfg.backend would build (tests, benchmarks; it must use the
     target in `model`). Rerunning with the same inputs returns the finished manifest untouched.
     """
-    from eagle3.data.prepare import load_tokenizer
-
     model, out = Path(model), Path(out)
+    target = Target.open(model, trust_remote_code)
     src = resolve_source(data)
-    model_fp = target_fingerprint(model)
+    model_fp = target.generation_fingerprint()
     inputs = {"source": fingerprint_source(src), "model": model_fp}
     config = cfg.model_dump(mode="json")
     if (out / MANIFEST).is_file():
@@ -442,11 +408,11 @@ def regenerate(
         except ValueError:
             pass
 
-    tok = load_tokenizer(model)
-    eos = stop_ids(model, tok)
-    max_len = cfg.max_len or _max_positions(model)
+    tok = target.tokenizer()
+    eos = target.stop_ids()
+    max_len = cfg.max_len or target.max_position_embeddings
     if generator is None:
-        generator = make_generator(model, cfg, max_len, eos)
+        generator = make_generator(target, cfg, max_len, eos)
     settings = cfg.settings(generator.dtype, max_len)
     signature = sha256_json({"format": FORMAT, "inputs": inputs, "settings": settings, "limit": cfg.limit,
                              "same_role": cfg.same_role, "chunk": cfg.chunk_records})
@@ -560,7 +526,7 @@ def _run_waves(convs: list[_Conv], gen: Generator, tok, cfg: RegenConfig, max_le
             if t >= len(c.users):
                 c.open = False
                 continue
-            ids = render(tok, c.msgs + [c.original[c.users[t]]])
+            ids = prompt_ids(tok, c.msgs + [c.original[c.users[t]]])
             if len(ids) + cfg.max_new_tokens > max_len:
                 # The answer might not fit the context: end the conversation before this turn.
                 c.open, c.shortened = False, "prompt_too_long"
@@ -620,19 +586,13 @@ def _commit(out: Path, st: _State, lines: list[bytes]) -> None:
     fsync_dir(out)
 
 
-def _max_positions(model_dir: Path) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    return int(cfg.get("max_position_embeddings") or 1 << 20)
-
-
-def make_generator(model: str | Path, cfg: RegenConfig, max_len: int, eos: set[int]) -> Generator:
-    """The backend cfg.backend names, loaded for the target in `model`."""
+def make_generator(target: Target, cfg: RegenConfig, max_len: int, eos: set[int]) -> Generator:
+    """The backend cfg.backend names, loaded for the target."""
     if cfg.backend == "vllm":
         from eagle3.regenerate_vllm import VllmGenerator
 
-        return VllmGenerator(model, cfg, max_len, eos)
-    gen, _ = load_hf(model, cfg)
+        return VllmGenerator(target.path, cfg, max_len, eos, trust_remote_code=target.trust_remote_code)
+    gen, _ = load_hf(target, cfg)
     return gen
 
 

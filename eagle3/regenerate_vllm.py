@@ -30,10 +30,11 @@ from eagle3.config import RegenConfig
 from eagle3.regenerate import Gen
 
 
-def llm_kwargs(model: str | Path, cfg: RegenConfig, max_len: int) -> dict[str, Any]:
+def llm_kwargs(model: str | Path, cfg: RegenConfig, max_len: int, trust_remote_code: bool = False) -> dict[str, Any]:
     """The LLM(...) arguments (one place, so tests can check them)."""
     return dict(
         model=str(model),
+        trust_remote_code=trust_remote_code,  # Kimi's tokenizer is custom code
         tensor_parallel_size=cfg.tensor_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         dtype=vllm_dtype(cfg),
@@ -54,11 +55,11 @@ class VllmGenerator:
 
     name = "vllm"
 
-    def __init__(self, model: str | Path, cfg: RegenConfig, max_len: int, eos: set[int]):
+    def __init__(self, model: str | Path, cfg: RegenConfig, max_len: int, eos: set[int], trust_remote_code: bool = False):
         from vllm import LLM
 
         self.cfg, self.eos, self.dtype = cfg, set(eos), vllm_dtype(cfg)
-        self.llm = LLM(**llm_kwargs(model, cfg, max_len))
+        self.llm = LLM(**llm_kwargs(model, cfg, max_len, trust_remote_code))
 
     def params(self, seeds: Sequence[int]) -> list[Any]:
         from vllm import SamplingParams

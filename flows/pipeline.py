@@ -29,6 +29,7 @@ def run_stages(config: PipelineConfig, reuse: list[str] | None = None) -> tuple[
 
 def _stages(config: PipelineConfig, reuse: list[str] | None) -> tuple[dict[str, str], EvalReport]:
     model, d = str(config.model), {s: str(config.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train", "eval")}
+    trc = config.trust_remote_code  # the target's custom tokenizer code (Kimi) may run
     preflight(config)
 
     # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/stages.py); else run here.
@@ -37,14 +38,14 @@ def _stages(config: PipelineConfig, reuse: list[str] | None) -> tuple[dict[str, 
         from tasks.regenerate import regenerate_stage
 
         _, prep_cfg = regenerate_stage(config)
-    prepared = run_stage("prepare", d["prepare"], model=model, cfg=prep_cfg)
+    prepared = run_stage("prepare", d["prepare"], model=model, cfg=prep_cfg, trust_remote_code=trc)
     hidden = run_stage("extract", d["extract"], model=model, prepared=d["prepare"], cfg=config.extract,
-                       reuse=reuse, wait_for=[prepared])
+                       reuse=reuse, trust_remote_code=trc, wait_for=[prepared])
     verifier = run_stage("verifier", d["verifier"], model=model, prepared=d["prepare"], wait_for=[prepared])
     trained = run_stage("train", d["train"], hidden=d["extract"], verifier=d["verifier"], cfg=config.train,
                         verifier_name=model, wait_for=[hidden, verifier])
     final = f"{d['train']}/{trained.final_dir}"
-    report = run_stage("eval", d["eval"], model=model, draft=final, cfg=config.eval)
+    report = run_stage("eval", d["eval"], model=model, draft=final, cfg=config.eval, trust_remote_code=trc)
 
     # Per-run summary lives in the flow: a cached task does not re-create its artifacts.
     summarize(config, d, prepared, hidden, verifier, trained, report)

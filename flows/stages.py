@@ -49,15 +49,16 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
 
 
 @flow(name="eagle3-prepare")
-def prepare(model: str, out: str, cfg: PrepareConfig) -> PreparedData:
+def prepare(model: str, out: str, cfg: PrepareConfig, trust_remote_code: bool = False) -> PreparedData:
     """Stage 1 alone: tokenize and mask conversations, build the draft vocab map."""
-    return fresh(prepare_task, PreparedData, out)(model, out, cfg)
+    return fresh(prepare_task, PreparedData, out)(model, out, cfg, trust_remote_code)
 
 
 @flow(name="eagle3-extract")
-def extract(model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None) -> HiddenStates:
+def extract(model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
+            trust_remote_code: bool = False) -> HiddenStates:
     """Stage 2 alone: store the target's hidden states of a prepared dir, reusing earlier extract dirs."""
-    return fresh(extract_task, HiddenStates, out)(model, prepared, out, cfg, reuse)
+    return fresh(extract_task, HiddenStates, out)(model, prepared, out, cfg, reuse, trust_remote_code)
 
 
 @flow(name="eagle3-verifier")
@@ -73,6 +74,6 @@ def train(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name:
 
 
 @flow(name="eagle3-eval")
-def evaluate(model: str, draft: str, out: str, cfg: EvalConfig) -> EvalReport:
+def evaluate(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Stage 5 alone: acceptance length, speedup and the lossless check of a draft."""
-    return fresh(eval_task, EvalReport, out)(model, draft, out, cfg)
+    return fresh(eval_task, EvalReport, out)(model, draft, out, cfg, trust_remote_code)

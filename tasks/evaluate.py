@@ -11,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from eagle3.artifacts import EvalReport
 from eagle3.config import EvalConfig
 from eagle3.evaluate import dir_fingerprint, prompts_fingerprint
-from eagle3.extract import model_fingerprint
+from eagle3.target import Target
 from tasks._cache import content_policy
 
 
@@ -19,7 +19,7 @@ def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
     cfg: EvalConfig = inputs["cfg"]
     return {
         "format": EvalReport.format_version,
-        "model": model_fingerprint(inputs["model"]),
+        "model": Target.open(inputs["model"]).fingerprint(),
         "draft": dir_fingerprint(inputs["draft"]),
         "prompts": prompts_fingerprint(cfg.prompts),
         "config": cfg.model_dump(mode="json", exclude={"prompts"}),
@@ -61,19 +61,20 @@ def report_markdown(m: EvalReport, out: str | Path) -> str:
     retries=1,
     retry_delay_seconds=[10],
 )
-def eval_task(model: str, draft: str, out: str, cfg: EvalConfig) -> EvalReport:
+def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
     log = get_run_logger()
     if cfg.backend == "vllm":
         from eagle3.eval_vllm import evaluate_vllm
 
         m = evaluate_vllm(model, draft, cfg.prompts, cfg.k, out, cfg.max_new_tokens, cfg.limit,
-                          cfg.gpu_memory_utilization)
+                          cfg.gpu_memory_utilization, trust_remote_code=trust_remote_code)
     else:
         from eagle3.evaluate import evaluate
 
         m = evaluate(model, draft, cfg.prompts, cfg.k, out, cfg.max_new_tokens, cfg.limit,
-                     progress=lambda i, n: log.info("eval: %d/%d prompts", i, n), threads=cfg.threads)
+                     progress=lambda i, n: log.info("eval: %d/%d prompts", i, n), threads=cfg.threads,
+                     trust_remote_code=trust_remote_code)
     log.info("eval: tau %.3f at k=%d, lossless %s, %.2f tok/s, speedup %.3fx over greedy",
              m.acceptance_length, m.k, m.lossless, m.tokens_per_second, m.speedup_vs_target)
     create_table_artifact(results_table(m), key="eval-results", description="eagle3 eval: tau, speed, lossless")

@@ -9,9 +9,9 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 
 from eagle3.artifacts import HiddenStates, PreparedData
 from eagle3.config import ExtractConfig
-from eagle3.extract import model_fingerprint, resolve_layer_ids, run_extract
-from eagle3.extract.run import model_shape
+from eagle3.extract import run_extract
 from eagle3.extract.store import FORMAT_VERSION
+from eagle3.target import Target
 from tasks._cache import content_policy
 from tasks._faults import fail_once
 from tasks._gpus import hold_gpus
@@ -19,12 +19,12 @@ from tasks._gpus import hold_gpus
 
 def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
     cfg: ExtractConfig = inputs["cfg"]
-    n, _ = model_shape(inputs["model"])
+    target = Target.open(inputs["model"])
     return {
         "format": [HiddenStates.format_version, FORMAT_VERSION],
         "prepared": PreparedData.read(inputs["prepared"]).fingerprint,
-        "model": model_fingerprint(inputs["model"]),
-        "layer_ids": resolve_layer_ids(n, cfg.aux_layer_ids),
+        "model": target.fingerprint(),
+        "layer_ids": target.layer_ids(cfg.aux_layer_ids),
         # what else changes the stored bytes; backend / batch / TP settings do not
         "storage": cfg.storage,
         "splits": cfg.splits,
@@ -56,7 +56,8 @@ def stats_table(m: HiddenStates) -> list[dict[str, Any]]:
     retry_delay_seconds=[5, 30],
 )
 def extract_task(
-    model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None
+    model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
+    trust_remote_code: bool = False,
 ) -> HiddenStates:
     """Store the target's aux + final hidden states of the prepared samples (a retry resumes)."""
     log = get_run_logger()
@@ -77,7 +78,8 @@ def extract_task(
             fail_once("extract")  # a drill, when EAGLE3_FAIL_ONCE asks for one
 
     with hold_gpus():
-        m = run_extract(model, prepared, out, cfg, reuse=reuse or [], progress=progress, show_progress=False)
+        m = run_extract(model, prepared, out, cfg, reuse=reuse or [], progress=progress, show_progress=False,
+                        trust_remote_code=trust_remote_code)
     update_progress_artifact(art, 100.0)
     log.info("extract: %d samples, %d tokens in %d shards (%s resumed); %s tok/s; %.1f bytes/token",
              m.num_samples, m.num_tokens, len(m.shards), m.stats.get("shards_skipped"),

@@ -9,8 +9,9 @@ from prefect.artifacts import create_table_artifact
 from eagle3.artifacts import PreparedData
 from eagle3.atomic import sha256_file
 from eagle3.config import PrepareConfig
-from eagle3.data.prepare import prepare, tokenizer_fingerprint
+from eagle3.data.prepare import prepare
 from eagle3.data.readers import fingerprint_source, resolve_source
+from eagle3.target import Target
 from tasks._cache import content_policy
 
 
@@ -19,7 +20,7 @@ def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
     return {
         "format": PreparedData.format_version,
         "source": fingerprint_source(resolve_source(cfg.data)),
-        "tokenizer": tokenizer_fingerprint(inputs["model"]),
+        "tokenizer": Target.open(inputs["model"]).tokenizer_fingerprint(),
         "config": cfg.model_dump(mode="json", exclude={"data", "vocab_from"}),
         "vocab_from": vocab_fingerprint(cfg.vocab_from),
     }
@@ -53,10 +54,10 @@ def counts_table(m: PreparedData) -> list[dict[str, Any]]:
     retries=2,
     retry_delay_seconds=[2, 10],
 )
-def prepare_task(model: str, out: str, cfg: PrepareConfig) -> PreparedData:
+def prepare_task(model: str, out: str, cfg: PrepareConfig, trust_remote_code: bool = False) -> PreparedData:
     """Render, mask and tokenize the conversations; build the draft vocab map."""
     log = get_run_logger()
-    m = prepare(model, out, cfg, progress=False)
+    m = prepare(model, out, cfg, progress=False, trust_remote_code=trust_remote_code)
     log.info("prepare: kept %d of %d conversations, %d tokens; skipped %s",
              m.records_kept, m.records_read, m.num_tokens, m.skipped)
     create_table_artifact(counts_table(m), key="prepare-counts", description="eagle3 prepare: counts")

@@ -16,7 +16,8 @@ from prefect.artifacts import (
 from eagle3.artifacts import RegeneratedData
 from eagle3.config import PipelineConfig, PrepareConfig, RegenConfig
 from eagle3.data.readers import fingerprint_source, resolve_source
-from eagle3.regenerate import FORMAT, regenerate, target_fingerprint
+from eagle3.regenerate import FORMAT, regenerate
+from eagle3.target import Target
 from tasks._cache import content_policy
 
 
@@ -25,7 +26,7 @@ def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
     return {
         "format": [RegeneratedData.format_version, FORMAT],
         "source": fingerprint_source(resolve_source(inputs["data"])),
-        "model": target_fingerprint(inputs["model"]),
+        "model": Target.open(inputs["model"]).generation_fingerprint(),
         # batch/chunk/TP/memory settings change how fast, not what is written
         "config": cfg.model_dump(mode="json", exclude={"chunk_records", "batch_size", "batch_tokens",
                                                        "tensor_parallel_size", "gpu_memory_utilization"}),
@@ -68,7 +69,7 @@ def samples_markdown(m: RegeneratedData) -> str:
     retries=2,
     retry_delay_seconds=[5, 30],
 )
-def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig) -> RegeneratedData:
+def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig, trust_remote_code: bool = False) -> RegeneratedData:
     """Rewrite every assistant turn of `data` with the target (a retry resumes at the last committed chunk)."""
     log = get_run_logger()
     total = cfg.limit
@@ -84,7 +85,7 @@ def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig) -> Regene
             if art is not None:
                 update_progress_artifact(art, min(100.0, 100.0 * p["records_read"] / total))
 
-    m = regenerate(model, data, out, cfg, progress=progress)
+    m = regenerate(model, data, out, cfg, progress=progress, trust_remote_code=trust_remote_code)
     if art is not None:
         update_progress_artifact(art, 100.0)
     log.info("regenerate: %d of %d records written, %d turns; %s tok/s; skipped %s",
@@ -101,7 +102,7 @@ def regenerate_stage(config: PipelineConfig) -> tuple[RegeneratedData, PrepareCo
     out = str(config.stage_dir("regenerate"))
     # A cached result whose output dir is gone must rerun, not return a dangling manifest.
     t = regenerate_task if RegeneratedData.exists(out) else regenerate_task.with_options(refresh_cache=True)
-    m = t(str(config.model), config.prepare.data, out, config.regenerate)
+    m = t(str(config.model), config.prepare.data, out, config.regenerate, config.trust_remote_code)
     create_table_artifact(stats_table(m), key="regenerate-stats", description="eagle3 regenerate: records, tok/s")
     create_markdown_artifact(samples_markdown(m), key="regenerate-samples",
                              description="eagle3 regenerate: original vs regenerated answers")

@@ -6,7 +6,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from eagle3.artifacts import PreparedData, VerifierWeights
-from eagle3.extract import model_fingerprint
+from eagle3.target import Target
 from eagle3.verifier import extract_verifier
 from tasks._cache import content_policy
 
@@ -14,7 +14,7 @@ from tasks._cache import content_policy
 def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
     return {
         "format": VerifierWeights.format_version,
-        "model": model_fingerprint(inputs["model"]),
+        "model": Target.open(inputs["model"]).fingerprint(),
         "prepared": PreparedData.read(inputs["prepared"]).fingerprint,
     }
 

@@ -255,7 +255,10 @@ CASES: list[Case] = [
     # ---- extract
     Case("aux_layer_out_of_range", "extract",
          lambda w, b: ["extract", "--model", str(b.model), "--prepared", str(b.prep), "--out", str(w / "out"),
-                       "--aux-layers", "1,3,99"], r"aux layer ids \[1, 3, 99\] must be distinct ids in \[0, 6\)"),
+                       "--aux-layers", "1,3,99"], r"aux layer ids \[1, 3, 99\] must lie in \[0, 6\)"),
+    Case("aux_layers_unsorted", "extract",
+         lambda w, b: ["extract", "--model", str(b.model), "--prepared", str(b.prep), "--out", str(w / "out"),
+                       "--aux-layers", "4,1,3"], r"aux layer ids \[4, 1, 3\] must be strictly increasing"),
     Case("aux_layer_negative", "extract",
          lambda w, b: ["extract", "--model", str(b.model), "--prepared", str(b.prep), "--out", str(w / "out"),
                        "--aux-layers=-1,3,4"], r"in \[0, 6\)"),

@@ -12,16 +12,16 @@ from eagle3.evaluate import (
     Conversation,
     DraftProposer,
     Stats,
-    Target,
+    TargetLM,
     load_draft,
     load_prompts,
     measure,
     read_jsonl_prompts,
-    render,
     run_conversation,
     speculative_generate,
 )
 from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.target import prompt_ids
 
 K = 3
 MAX_NEW = 24
@@ -37,6 +37,13 @@ def target(tiny_llama_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def eos(tiny_llama_dir):
+    from eagle3.target import Target
+
+    return Target.open(tiny_llama_dir).stop_ids()
 
 
 @pytest.fixture(scope="module")
@@ -166,14 +173,14 @@ class Mixed:
 
 
 # ---------------------------------------------------------------- decoding
-def test_oracle_gives_k_plus_1_and_always_wrong_gives_1(target, convs):
+def test_oracle_gives_k_plus_1_and_always_wrong_gives_1(target, convs, eos):
     model, tok = target
-    r = measure(model, tok, Oracle(model), (1, 3, 4), convs, K, MAX_NEW)
+    r = measure(model, tok, Oracle(model), (1, 3, 4), convs, K, MAX_NEW, eos)
     assert r["lossless"] is True
     assert r["acceptance_length"] == K + 1
     assert r["per_position_acceptance"] == [1.0] * K
     assert r["num_turns"] == 3 and r["generated_tokens"] == r["target_generated_tokens"] > 0
-    w = measure(model, tok, Oracle(model, wrong=True), (1, 3, 4), convs, K, MAX_NEW)
+    w = measure(model, tok, Oracle(model, wrong=True), (1, 3, 4), convs, K, MAX_NEW, eos)
     assert w["lossless"] is True
     assert w["acceptance_length"] == 1.0
     assert w["per_position_acceptance"] == [0.0] * K and w["num_accepted_tokens"] == 0
@@ -183,11 +190,11 @@ def test_oracle_gives_k_plus_1_and_always_wrong_gives_1(target, convs):
     assert r["num_drafts"] >= sum(-(-(t["tokens"] - 1) // (K + 1)) for it in r["items"] for t in it["turns"])
 
 
-def test_random_draft_is_lossless_and_counts_match_vllm(target, tiny_llama_dir, convs):
+def test_random_draft_is_lossless_and_counts_match_vllm(target, tiny_llama_dir, convs, eos):
     model, tok = target
     d = random_draft(tiny_llama_dir)
     d.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
-    r = measure(model, tok, DraftProposer(d), d.config.aux_layer_ids, convs, K, MAX_NEW)
+    r = measure(model, tok, DraftProposer(d), d.config.aux_layer_ids, convs, K, MAX_NEW, eos)
     assert r["lossless"] is True
     assert 1.0 <= r["acceptance_length"] <= K + 1
     assert r["acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
@@ -202,14 +209,14 @@ def test_draft_cache_equals_a_fresh_draft_over_the_whole_prefix(target, tiny_lla
     d = random_draft(tiny_llama_dir, seed=1)
     d.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
     mixed = Mixed(model, d)
-    prompt = render(tok, [{"role": "user", "content": "Tell me a story about a cat."}])
+    prompt = prompt_ids(tok, [{"role": "user", "content": "Tell me a story about a cat."}])
     stats = Stats(K)
-    out = speculative_generate(Target(model, d.config.aux_layer_ids), mixed, prompt, K, 24, set(), stats)
+    out = speculative_generate(TargetLM(model, d.config.aux_layer_ids), mixed, prompt, K, 24, set(), stats)
     assert len(out) == 24
     assert stats.drafts == len(mixed.ns) and stats.accepted == sum(mixed.ns)
     assert stats.per_pos == [sum(n > i for n in mixed.ns) for i in range(K)]
     assert any(0 < n < K for n in mixed.ns) and any(n == K for n in mixed.ns)
-    tgt = Target(model, d.config.aux_layer_ids)
+    tgt = TargetLM(model, d.config.aux_layer_ids)
     for ids, mine in mixed.calls[1:]:
         tgt.reset()
         _, aux = tgt.forward(ids[:-1])  # states of t_0..t_{L-2}, no cache involved
@@ -260,8 +267,8 @@ def test_load_speculators_dir(target, tiny_llama_dir, tmp_path):
         assert fmt == "speculators" and got.config == d.config
         _same(got, d)
     # and it proposes what the original proposes
-    prompt = render(tok, [{"role": "user", "content": "Hello there"}])
-    tgt = Target(model, d.config.aux_layer_ids)
+    prompt = prompt_ids(tok, [{"role": "user", "content": "Hello there"}])
+    tgt = TargetLM(model, d.config.aux_layer_ids)
     tgt.reset()
     nxt, aux = tgt.forward(prompt)  # aux [T, 3, H]
     ids = prompt + [nxt[-1]]
@@ -325,7 +332,7 @@ def test_prepared_val_split_prompts(tiny_llama_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     for c in convs:
         q = tok.decode(c.ids).split("question ")[1].split("<|im_end|>")[0]
-        assert c.ids == render(tok, [{"role": "user", "content": f"question {q}"}])
+        assert c.ids == prompt_ids(tok, [{"role": "user", "content": f"question {q}"}])
 
 
 # ---------------------------------------------------------------- CLI, report, manifest

@@ -78,7 +78,8 @@ def fake_vllm(tiny_llama_dir):
     unregisters the old metrics, so the registry holds the newest engine's counters)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3.evaluate import DraftProposer, Stats, Target, eos_ids, greedy_generate, load_draft, speculative_generate
+    from eagle3.evaluate import DraftProposer, Stats, TargetLM, greedy_generate, load_draft, speculative_generate
+    from eagle3.target import Target
 
     registry: dict[str, object] = {}
 
@@ -91,16 +92,16 @@ def fake_vllm(tiny_llama_dir):
         def __init__(self, model, speculative_config=None, disable_log_stats=True, **kw):
             assert kw.get("enable_prefix_caching") is False and not disable_log_stats
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-            self.eos = eos_ids(self.model, AutoTokenizer.from_pretrained(model))
+            self.eos = Target.open(model).stop_ids()
             self.spec = speculative_config
             if speculative_config is not None:
                 assert speculative_config["method"] == "eagle3"
                 draft, _ = load_draft(speculative_config["model"], model, self.model.get_input_embeddings().weight)
                 self.k = speculative_config["num_speculative_tokens"]
                 self.proposer = DraftProposer(draft)
-                self.target = Target(self.model, draft.config.aux_layer_ids)
+                self.target = TargetLM(self.model, draft.config.aux_layer_ids)
             else:
-                self.target = Target(self.model)
+                self.target = TargetLM(self.model)
             registry.clear()
             registry["stats"] = Stats(self.k) if self.spec else None
 

@@ -12,8 +12,9 @@ from eagle3.artifacts import HiddenStates
 from eagle3.atomic import sha256_file
 from eagle3.config import ExtractConfig
 from eagle3.extract import open_store, run_extract
-from eagle3.extract.hf import HFBackend, batches_by_length, load_base_model
-from eagle3.extract.run import default_aux_layer_ids, resolve_layer_ids
+from eagle3.extract.hf import HFBackend, batches_by_length
+from eagle3.target import Target
+from eagle3.target import check_aux_ids, default_aux_ids
 from eagle3.extract.store import FP8_MAX, bytes_per_token, dequantize_fp8, quantize_fp8, shard_meta
 
 
@@ -30,14 +31,31 @@ def _logits_from_final(lm, final: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- layer ids
-def test_layer_ids_follow_vllm_convention():
-    assert default_aux_layer_ids(30) == [2, 15, 27]  # REFERENCE §2: SmolLM2 -> (2, 15, 27)
-    assert resolve_layer_ids(30, None) == [2, 15, 27, 30]
-    assert resolve_layer_ids(6, [0, 1, 5]) == [0, 1, 5, 6]
+def test_layer_ids_follow_vllm_convention(smollm2_dir, tiny_llama_dir):
+    assert default_aux_ids(30) == [2, 15, 27]  # vLLM's default for a 30-layer target (SmolLM2)
+    assert Target.open(smollm2_dir).layer_ids() == [2, 15, 27, 30]
+    tiny = Target.open(tiny_llama_dir)
+    assert tiny.layer_ids([0, 1, 5]) == [0, 1, 5, 6]
     with pytest.raises(ValueError, match="in \\[0, 6\\)"):
-        resolve_layer_ids(6, [1, 2, 6])  # id N is added automatically, not an aux id
+        tiny.layer_ids([1, 2, 6])  # id N is added automatically, not an aux id
     with pytest.raises(ValueError, match="exactly 3"):
         ExtractConfig(aux_layer_ids=[1, 2])
+
+
+@pytest.mark.parametrize("aux", [[15, 2, 27], [2, 2, 27], [2, 27, 15]])
+def test_aux_ids_must_be_strictly_increasing(aux):
+    # vLLM feeds fc the aux states in layer order whatever order a config lists; an unsorted
+    # list would silently swap fc's input blocks between training and serving.
+    from eagle3.model import DraftConfig
+
+    with pytest.raises(ValueError, match="strictly increasing"):
+        check_aux_ids(aux, 30)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ExtractConfig(aux_layer_ids=aux)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        DraftConfig(hidden_size=64, target_hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=128, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
+                    vocab_size=100, draft_vocab_size=10, aux_layer_ids=aux)
 
 
 def test_batches_by_length_respects_budget():
@@ -75,7 +93,7 @@ def test_tiny_llama_parity_fp32(tiny_llama_dir, tmp_path):
 
 
 def test_batched_equals_unbatched(tiny_llama_dir):
-    model = load_base_model(tiny_llama_dir, "cpu")
+    model = Target.open(tiny_llama_dir).load_model(head=False, device="cpu")
     samples = [(f"s{i}", torch.tensor(ids)) for i, (ids, _) in enumerate(random_samples(1000, [7, 30, 12, 30, 3], 2))]
     batched = {sid: h for sid, _, h in HFBackend(model, [1, 2, 3, 6], batch_tokens=10_000).extract(samples)}
     single = {sid: h for sid, _, h in HFBackend(model, [1, 2, 3, 6], batch_tokens=1).extract(samples)}
@@ -92,7 +110,7 @@ def test_smollm2_parity_and_storage(smollm2_dir, tmp_path):
     rows = chat_samples(tok, 8, repeat=2)  # ~8 x 90 real chat tokens
     prep = tmp_path / "prep"
     write_prepared(prep, {"train": rows})
-    backend = HFBackend(load_base_model(smollm2_dir, "cpu"), [2, 15, 27, 30], batch_tokens=4096)
+    backend = HFBackend(Target.open(smollm2_dir).load_model(head=False, device="cpu"), [2, 15, 27, 30], batch_tokens=4096)
     lm = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     refs = [_reference(lm, ids) for ids, _ in rows]
     agree = {}
@@ -171,7 +189,7 @@ def test_bad_sample_fails_its_shard_and_names_it(tiny_llama_dir, tmp_path, how, 
     import pyarrow.parquet as pq
 
     victim = pq.read_table(prep / man_p.splits["train"][0].file)["sample_id"][2].as_py()
-    inner = HFBackend(load_base_model(tiny_llama_dir, "cpu"), [1, 2, 3, 6])
+    inner = HFBackend(Target.open(tiny_llama_dir).load_model(head=False, device="cpu"), [1, 2, 3, 6])
     # one shard per sample: only the victim's shard may fail
     cfg = ExtractConfig(aux_layer_ids=[1, 2, 3], shard_bytes=1 << 16)
     out = tmp_path / "out"

@@ -13,7 +13,8 @@ import torch
 
 from eagle3.artifacts import PreparedData
 from eagle3.config import PrepareConfig
-from eagle3.data.prepare import load_tokenizer, prepare, read_split
+from eagle3.data.prepare import prepare, read_split
+from eagle3.target import Target
 from eagle3.data.vocab import load_maps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def test_counts_every_skip_reason_and_loses_nothing(tmp_path, smollm2_dir):
     n = {s: sum(i.num_samples for i in m.splits[s]) for s in ("train", "val")}
     assert n["train"] + n["val"] == m.records_kept and n["val"] >= 1
     # Every kept sample: ids/mask aligned, some trainable token, ends within max_len.
-    tok = load_tokenizer(smollm2_dir)
+    tok = Target.open(smollm2_dir).tokenizer()
     rows = read_split(tmp_path / "out", "train").to_pylist() + read_split(tmp_path / "out", "val").to_pylist()
     by_id = {r["record_id"]: r for r in rows}
     for r in rows:
@@ -84,7 +85,7 @@ def test_vocab_counts_only_masked_tokens(tmp_path, smollm2_dir):
     src.write_text("\n".join(json.dumps(r) for r in recs))
     m = prepare(smollm2_dir, tmp_path / "o", PrepareConfig(data=str(src), draft_vocab=8, val_fraction=0.0),
                 progress=False)
-    tok = load_tokenizer(smollm2_dir)
+    tok = Target.open(smollm2_dir).tokenizer()
     d2t, t2d = load_maps(tmp_path / "o" / "vocab_map.safetensors")
     chosen = {tok.convert_ids_to_tokens(int(i)) for i in t2d.nonzero().flatten()}
     zebra = set(tok.tokenize(" zebra")) | set(tok.tokenize("zebra"))
@@ -185,6 +186,9 @@ def test_tokenizer_without_template_or_missing(tmp_path, smollm2_dir):
         prepare(d, tmp_path / "o", PrepareConfig(data=str(src)), progress=False)
     e = tmp_path / "empty-model"
     e.mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        prepare(e, tmp_path / "o", PrepareConfig(data=str(src)), progress=False)
+    shutil.copy(smollm2_dir / "config.json", e / "config.json")
     with pytest.raises(ValueError, match="no tokenizer files"):
         prepare(e, tmp_path / "o", PrepareConfig(data=str(src)), progress=False)
 

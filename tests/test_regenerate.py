@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from eagle3.config import PrepareConfig, RegenConfig
+from eagle3.target import Target, prompt_ids
 from eagle3.regenerate import (
     OUT_FILE,
     PREVIOUS,
@@ -22,7 +23,6 @@ from eagle3.regenerate import (
     load_hf,
     read_records,
     regenerate,
-    render,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def target_greedy(model, tok, history: list[dict], max_new: int, eos: set[int]) 
 
 def check_equal_to_target(model_dir: Path, out: Path, max_new: int) -> int:
     """Every regenerated turn == the target's greedy answer to the regenerated history; returns turns checked."""
-    gen, tok = load_hf(model_dir, RegenConfig())
+    gen, tok = load_hf(Target.open(model_dir), RegenConfig())
     checked = 0
     for rec in read_records(out):
         msgs, turns = rec["messages"], rec["provenance"]["turns"]
@@ -117,7 +117,7 @@ def test_hf_equals_target_greedy_and_resumes_smollm2(tmp_path, smollm2_dir):
             {"id": "c", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi"}]}]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = RegenConfig(max_new_tokens=8, batch_size=2, chunk_records=2)  # a and b share a batch
-    hf, _ = load_hf(smollm2_dir, cfg)
+    hf, _ = load_hf(Target.open(smollm2_dir), cfg)
     m = regenerate(smollm2_dir, str(src), tmp_path / "out", cfg, generator=hf)
     assert (m.records_written, m.turns_written) == (3, 4)
     recs = read_records(tmp_path / "out")
@@ -201,7 +201,7 @@ class Crashing(Counting):
 
 def test_crash_resume_and_incremental_reuse_equal_fresh_runs(tmp_path, tiny_llama_dir):
     cfg = RegenConfig(max_new_tokens=8, batch_size=3, chunk_records=3)
-    hf, _ = load_hf(tiny_llama_dir, cfg)
+    hf, _ = load_hf(Target.open(tiny_llama_dir), cfg)
     a = write_source(tmp_path / "a.jsonl", 6)  # r0..r5
     b = tmp_path / "b.jsonl"  # r0..r5 plus r6..r8; r4's question is edited
     b.write_text(a.read_text().replace("question 4:", "question four:") +
@@ -275,9 +275,8 @@ class Scripted:
 
 
 def test_reasoning_empty_answers_and_long_prompts(tmp_path, tiny_llama_dir):
-    from eagle3.data.prepare import load_tokenizer
 
-    tok = load_tokenizer(tiny_llama_dir)
+    tok = Target.open(tiny_llama_dir).tokenizer()
     assert clean_answer("<think>plan\nmore</think>\n\nAnswer.", "drop") == "Answer."
     assert clean_answer("<think>cut short", "drop") == ""
     assert clean_answer("<think>a</think>B", "keep") == "<think>a</think>B"
@@ -293,7 +292,7 @@ def test_reasoning_empty_answers_and_long_prompts(tmp_path, tiny_llama_dir):
     assert read_records(tmp_path / "keep")[0]["messages"][1]["content"] == "<think>r0 t1</think>Zero."
     assert m.records_written == 3 and m.samples[0]["original"] == "0 plus 0 is 0."
     # A second turn that would not fit max_len ends the conversation after the first one.
-    n = len(render(tok, [{"role": "user", "content": "question 0: what is 0 plus 0?"}]))
+    n = len(prompt_ids(tok, [{"role": "user", "content": "question 0: what is 0 plus 0?"}]))
     m = regenerate(tiny_llama_dir, str(src), tmp_path / "short", RegenConfig(max_len=n + 8, max_new_tokens=8),
                    generator=Scripted(tok, ["A.", "B.", "C."]))
     assert m.conversations_shortened == 1 and m.turns_written == 3

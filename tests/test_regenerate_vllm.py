@@ -20,7 +20,8 @@ def test_vllm_backend_equals_hf_backend_and_target_greedy(tmp_path, tiny_llama_d
     m = regenerate(tiny_llama_dir, str(src), tmp_path / "vllm", cfg)
     (llm,) = fake.LLM.instances
     assert llm.kwargs == {"model": str(tiny_llama_dir), "tensor_parallel_size": 2, "dtype": "bfloat16", "seed": 0,
-                          "gpu_memory_utilization": 0.5, "max_model_len": 4096, "enable_prefix_caching": True}
+                          "gpu_memory_utilization": 0.5, "max_model_len": 4096, "enable_prefix_caching": True,
+                          "trust_remote_code": False}
     assert llm.calls == [6, 2]  # one generate call per wave: continuous batching inside vLLM
     assert (m.backend, m.settings["backend"], m.settings["dtype"]) == ("vllm", "vllm", "bfloat16")
     assert (m.records_written, m.turns_written) == (6, 8)
@@ -65,11 +66,11 @@ def test_stop_tokens_kept_or_not_by_vllm_give_the_same_file(tmp_path, tiny_llama
     """A stop id the model really emits (set in generation_config): vLLM may return it or not; hf never does."""
     import shutil
 
-    from eagle3.data.prepare import load_tokenizer
+    from eagle3.target import Target, prompt_ids
 
     src = write_source(tmp_path / "src.jsonl", 3)
     regenerate(tiny_llama_dir, str(src), tmp_path / "probe", RegenConfig(max_new_tokens=6))
-    tok = load_tokenizer(tiny_llama_dir)
+    tok = Target.open(tiny_llama_dir).tokenizer()
     answer = read_records(tmp_path / "probe")[0]["messages"][1]["content"]
     stop = tok(answer, add_special_tokens=False)["input_ids"][2]  # r0's third answer token
     model = tmp_path / "model"
@@ -99,8 +100,7 @@ def test_real_vllm_regenerates_its_own_greedy(tmp_path, smollm2_dir):
     """On the GPU host: every regenerated turn equals vLLM's own greedy answer to that history, alone."""
     from vllm import LLM, SamplingParams
 
-    from eagle3.data.prepare import load_tokenizer
-    from eagle3.regenerate import render, stop_ids
+    from eagle3.target import Target, prompt_ids
 
     src = tmp_path / "src.jsonl"
     src.write_text(json.dumps({"id": "a", "messages": [
@@ -109,12 +109,12 @@ def test_real_vllm_regenerates_its_own_greedy(tmp_path, smollm2_dir):
     cfg = RegenConfig(backend="vllm", max_new_tokens=24, gpu_memory_utilization=0.3)
     m = regenerate(smollm2_dir, str(src), tmp_path / "out", cfg)
     assert m.turns_written == 2 and m.stats["tokens_per_second"] > 0
-    tok = load_tokenizer(smollm2_dir)
-    eos = stop_ids(smollm2_dir, tok)
+    tok = Target.open(smollm2_dir).tokenizer()
+    eos = Target.open(smollm2_dir).stop_ids()
     llm = LLM(str(smollm2_dir), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3)
     msgs = read_records(tmp_path / "out")[0]["messages"]
     for i in (1, 3):
-        (o,) = llm.generate([{"prompt_token_ids": render(tok, msgs[:i])}],
+        (o,) = llm.generate([{"prompt_token_ids": prompt_ids(tok, msgs[:i])}],
                             SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=sorted(eos)), use_tqdm=False)
         ids = [t for t in o.outputs[0].token_ids if t not in eos]
         assert tok.decode(ids, skip_special_tokens=True) == msgs[i]["content"]

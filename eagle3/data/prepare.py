@@ -26,14 +26,11 @@ from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
 from eagle3.data.template import ChatRenderer, Rendered
 from eagle3.data.vocab import build_maps, load_maps, save_maps, select_draft_tokens
+from eagle3.target import Target
 
 log = logging.getLogger("eagle3.prepare")
 
 VOCAB_FILE = "vocab_map.safetensors"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-)
 SCHEMA = pa.schema([
     ("sample_id", pa.string()),
     ("record_id", pa.string()),
@@ -41,35 +38,6 @@ SCHEMA = pa.schema([
     ("loss_mask", pa.list_(pa.int8())),
 ])
 _EXAMPLES = 3  # record ids kept per skip reason, for the report
-
-
-def tokenizer_fingerprint(model: str | Path) -> str:
-    """sha256 over the tokenizer and chat-template files of a model dir."""
-    d = Path(model)
-    if not d.is_dir():
-        raise ValueError(f"model dir {d} does not exist")
-    h = hashlib.sha256()
-    found = [n for n in TOKENIZER_FILES if (d / n).is_file()]
-    # a template or special-tokens file alone is no tokenizer: one of the vocabulary files must be there
-    if not {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(found):
-        raise ValueError(f"{d}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); is it an HF model dir?")
-    for n in found:
-        h.update(f"{n}\0{sha256_file(d / n)}\n".encode())
-    return h.hexdigest()
-
-
-def load_tokenizer(model: str | Path):
-    from transformers import AutoTokenizer
-
-    d = Path(model)
-    if not d.is_dir():
-        raise ValueError(f"model dir {d} does not exist")
-    tokenizer_fingerprint(d)  # a clear error for a dir without a tokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(d))
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0]  # transformers' messages run to many lines
-        raise ValueError(f"{d}: cannot load its tokenizer: {type(e).__name__}: {first}") from None
 
 
 def _vocab_path(src: str | Path) -> Path:
@@ -143,11 +111,13 @@ def prepare(
     cfg: PrepareConfig,
     progress: bool = True,
     on_sample: Callable[[str, np.ndarray, np.ndarray], None] | None = None,
+    trust_remote_code: bool = False,
 ) -> PreparedData:
     """Run stage 1. Returns the manifest (also written to `out/manifest.json`)."""
     model, out = Path(model), Path(out)
+    target = Target.open(model, trust_remote_code)
     src = resolve_source(cfg.data)
-    inputs = {"source": fingerprint_source(src), "tokenizer": tokenizer_fingerprint(model)}
+    inputs = {"source": fingerprint_source(src), "tokenizer": target.tokenizer_fingerprint()}
     if cfg.vocab_from:
         inputs["vocab_from"] = sha256_file(_vocab_path(cfg.vocab_from))
     config = cfg.model_dump(mode="json")
@@ -159,7 +129,7 @@ def prepare(
                 return done
         except ValueError:
             pass
-    tok = load_tokenizer(model)
+    tok = target.tokenizer()
     renderer = ChatRenderer(tok, name=f"the tokenizer of {model}")
     overhead = renderer.template_overhead()
     if cfg.max_len <= overhead:
@@ -167,14 +137,16 @@ def prepare(
             f"--max-len {cfg.max_len} leaves no room for an answer: this chat template spends "
             f"{overhead} tokens before the first assistant token of a one-word exchange; use --max-len > {overhead}"
         )
-    V = len(tok)
+    # The map is sized by the embedding's rows (vLLM's `vocab_size`), not by len(tok): Qwen3 pads
+    # the embedding past the tokenizer, Kimi's tokenizer names two ids past the embedding.
+    V = target.vocab_rows
     draft_vocab = cfg.draft_vocab or min(DEFAULT_DRAFT_VOCAB, V)
     if draft_vocab > V:
-        raise ValueError(f"--draft-vocab {draft_vocab} exceeds the target vocab size {V}")
+        raise ValueError(f"--draft-vocab {draft_vocab} exceeds the target vocab size {V} (embedding rows)")
     if cfg.vocab_from:  # checked before anything is written
         d2t, t2d = load_maps(_vocab_path(cfg.vocab_from))
         if len(t2d) != V:
-            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-token vocab, this tokenizer has {V}")
+            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-row vocab, this target's embedding has {V}")
 
     # A stale manifest must never describe the shards we are about to overwrite.
     out.mkdir(parents=True, exist_ok=True)
@@ -210,6 +182,9 @@ def prepare(
         for (rid, _), (ids, mask) in zip(pending, encoded):
             if not mask.any():
                 skip(rid, "no_trainable_tokens", f"no assistant token within the first {cfg.max_len} tokens")
+                continue
+            if ids.max() >= V:  # a tokenizer id the embedding has no row for (e.g. a reserved special token)
+                skip(rid, "token_beyond_embedding", f"token id {int(ids.max())} >= {V} embedding rows")
                 continue
             sid = sample_id(ids, mask)
             key = split_key(cfg.seed, sid)

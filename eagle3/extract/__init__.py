@@ -4,14 +4,11 @@
     open_store(out, split=None)             -> sequence of {sample_id, input_ids, loss_mask,
                                                aux_hidden_states [T, n_aux, H], final_hidden_states [T, H]}
 """
-from eagle3.extract.run import default_aux_layer_ids, model_fingerprint, resolve_layer_ids, run_extract
+from eagle3.extract.run import run_extract
 from eagle3.extract.store import HiddenStateStore, open_store
 
 __all__ = [
     "HiddenStateStore",
-    "default_aux_layer_ids",
-    "model_fingerprint",
     "open_store",
-    "resolve_layer_ids",
     "run_extract",
 ]

@@ -6,6 +6,9 @@ Layer ids follow vLLM (REFERENCE §2): id k < N is the residual stream *entering
 sees exactly the stream entering it; a pre-hook on `norm` sees the pre-norm output. Nothing else
 is kept (no N+1 hidden-state list) and the LM head is never loaded, so no logits are computed.
 
+The model is `Target.load_model(head=False)`: the decoder stack, built by transformers' own
+classes from the text config (a VLM's wrapper and vision tower are never loaded).
+
 Batching: samples are sorted by length and grouped up to a token budget (B * T_max), right-padded.
 Attention is causal, so a real token never attends to the padding that follows it: the
 states of real tokens equal an unbatched run up to float noise, with no mask to build.
@@ -13,24 +16,12 @@ states of real tokens equal an unbatched run up to float noise, with no mask to 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import torch
 
 from eagle3.faults import point
 
 Sample = tuple[str, torch.Tensor]  # (sample_id, input_ids [T])
-
-
-def load_base_model(model_dir: str | Path, device: str | torch.device | None = None) -> torch.nn.Module:
-    """The target's decoder stack (`model.model`), without the LM head; fp32 on CPU, bf16 on CUDA."""
-    from transformers import AutoModel
-
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    # fp32 on CPU: faster than bf16 there (REFERENCE §4) and exact for parity tests.
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModel.from_pretrained(str(model_dir), dtype=dtype)
-    return model.to(device).eval()
 
 
 def batches_by_length(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -77,10 +68,6 @@ class HFBackend:
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
         self._caught: dict[int, torch.Tensor] = {}
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path, layer_ids: Sequence[int], batch_tokens: int = 16384) -> "HFBackend":
-        return cls(load_base_model(model_dir), layer_ids, batch_tokens)
 
     def _hook(self, layer_id: int) -> Callable:
         def pre_hook(module, args, kwargs):

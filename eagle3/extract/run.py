@@ -13,7 +13,6 @@ as stored, so a dataset that grew by 5% costs about 5% of a full extraction.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3.artifacts import HiddenShardInfo, HiddenStates, PreparedData
-from eagle3.atomic import atomic_path, clean_temp_files, sha256_bytes, sha256_file, sha256_file_cached
+from eagle3.atomic import atomic_path, clean_temp_files, sha256_file
 from eagle3.config import ExtractConfig
 from eagle3.extract.store import (
     FORMAT_VERSION,
@@ -38,6 +37,7 @@ from eagle3.extract.store import (
     shard_meta,
     shard_problem,
 )
+from eagle3.target import Target
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do) of this run
 
@@ -47,55 +47,6 @@ class Backend(Protocol):
 
     def extract(self, samples, on_tokens=None):  # -> Iterator[(sample_id, token_ids [T], hidden [T, L, H])]
         ...
-
-
-# ---------------------------------------------------------------- model facts
-def model_shape(model_dir: str | Path) -> tuple[int, int]:
-    """(num_hidden_layers N, hidden_size H) from the target's config.json."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{model_dir}: no config.json (expected an HF model dir)")
-    cfg = json.loads(path.read_text())
-    cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the decoder's config inside
-    try:
-        return int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
-    except KeyError as e:
-        raise ValueError(f"{path}: missing {e.args[0]}") from e
-
-
-def default_aux_layer_ids(n: int) -> list[int]:
-    """vLLM's default EAGLE-3 aux ids (low, middle, high): (2, N//2, N-3)."""
-    return [2, n // 2, n - 3]
-
-
-def resolve_layer_ids(n: int, aux: Sequence[int] | None) -> list[int]:
-    """Aux ids (validated) + [N]: the order in which states are stored."""
-    aux = list(aux) if aux is not None else default_aux_layer_ids(n)
-    bad = [k for k in aux if not 0 <= k < n]
-    if bad or len(set(aux)) != len(aux):
-        raise ValueError(f"aux layer ids {aux} must be distinct ids in [0, {n}) for a {n}-layer model")
-    return aux + [n]
-
-
-_FP_MEMO: dict[tuple, str] = {}
-
-
-def model_fingerprint(model_dir: str | Path) -> str:
-    """Content hash of the target: config.json and every weight file (sha256 of their bytes).
-
-    Memoized per process, and each file's hash across processes (`sha256_file_cached`): hashing
-    a large model's weights takes minutes and must not be paid on every run.
-    """
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise ValueError(f"{model_dir}: not a model directory")
-    files = sorted(p for p in d.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
-    if not any(p.suffix in (".safetensors", ".bin") for p in files):
-        raise ValueError(f"{model_dir}: no weight files (*.safetensors / *.bin)")
-    key = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    if key not in _FP_MEMO:
-        _FP_MEMO[key] = sha256_bytes("".join(f"{p.name}:{sha256_file_cached(p)}\n" for p in files).encode())
-    return _FP_MEMO[key]
 
 
 # ---------------------------------------------------------------- prepared samples
@@ -194,6 +145,7 @@ def run_extract(
     progress: Progress | None = None,
     show_progress: bool = True,
     backend: Backend | None = None,
+    trust_remote_code: bool = False,
 ) -> HiddenStates:
     """Extract aux + final hidden states of `prepared` with `model` into `out`; return its manifest.
 
@@ -203,10 +155,11 @@ def run_extract(
     cfg = cfg or ExtractConfig()
     model, prepared, out = Path(model), Path(prepared), Path(out)
     prep = PreparedData.read(prepared)
-    n, hidden = model_shape(model)
-    layer_ids = resolve_layer_ids(n, cfg.aux_layer_ids)
+    target = Target.open(model, trust_remote_code)
+    n, hidden = target.num_layers, target.hidden_size
+    layer_ids = target.layer_ids(cfg.aux_layer_ids)
     n_aux = len(layer_ids) - 1
-    model_fp = model_fingerprint(model)
+    model_fp = target.fingerprint()
     # A shard's bytes depend on these and on its sample ids (content hashes) only -- not on the
     # prepared manifest as a whole, so an in-place rerun on grown data keeps unchanged shards.
     common = {
@@ -296,7 +249,7 @@ def run_extract(
                     todo.append(row)
             if todo:
                 if backend is None:
-                    backend = make_backend(cfg, model, layer_ids, out, max(samples.length))
+                    backend = make_backend(cfg, target, layer_ids, out, max(samples.length))
                 batch = []
                 for row in todo:
                     ids, _ = samples.tensors(row)
@@ -395,12 +348,13 @@ def _write_index(out: Path, plans: list[ShardPlan]) -> str:
     return sha256_file(out / INDEX_FILE)
 
 
-def make_backend(cfg: ExtractConfig, model: Path, layer_ids: list[int], out: Path, max_len: int) -> Backend:
+def make_backend(cfg: ExtractConfig, target: Target, layer_ids: list[int], out: Path, max_len: int) -> Backend:
     """Build the backend `cfg.backend` names (heavy: loads the model)."""
     if cfg.backend == "hf":
         from eagle3.extract.hf import HFBackend
 
-        return HFBackend.from_pretrained(model, layer_ids, cfg.batch_tokens)
+        return HFBackend(target.load_model(head=False), layer_ids, cfg.batch_tokens)
     from eagle3.extract.vllm import VllmBackend
 
-    return VllmBackend(model, layer_ids, cfg, max_len=max_len, tmp_dir=out / ".vllm-hidden-states")
+    return VllmBackend(target.path, layer_ids, cfg, max_len=max_len, tmp_dir=out / ".vllm-hidden-states",
+                       trust_remote_code=target.trust_remote_code)

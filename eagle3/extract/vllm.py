@@ -42,10 +42,12 @@ CONNECTOR = "ExampleHiddenStatesConnector"
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
 
-def llm_kwargs(model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, max_len: int, storage_dir: Path) -> dict:
+def llm_kwargs(model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, max_len: int, storage_dir: Path,
+               trust_remote_code: bool = False) -> dict:
     """The LLM(...) arguments for native extraction (one place, so tests can check them)."""
     kw = dict(
         model=str(model),
+        trust_remote_code=trust_remote_code,  # Kimi-K2.5's tokenizer (and config class) are custom code
         tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -82,7 +84,8 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, max_len: int, tmp_dir: Path):
+    def __init__(self, model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, max_len: int, tmp_dir: Path,
+                 trust_remote_code: bool = False):
         try:
             from vllm import LLM, SamplingParams
             from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as conn
@@ -98,7 +101,7 @@ class VllmBackend:
         self._load: Callable[[str], dict] = conn.load_hidden_states
         self._cleanup: Callable[[str], None] | None = getattr(conn, "cleanup_hidden_states", None)
         self._params = SamplingParams(max_tokens=1)
-        self.llm = LLM(**llm_kwargs(model, self.layer_ids, cfg, max_len, self.tmp_dir))
+        self.llm = LLM(**llm_kwargs(model, self.layer_ids, cfg, max_len, self.tmp_dir, trust_remote_code))
 
     def _remove(self, path: str) -> None:
         if self._cleanup is not None:

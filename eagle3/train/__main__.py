@@ -77,7 +77,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     add_train_flags(p)
     a = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
