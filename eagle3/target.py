@@ -434,7 +434,14 @@ class Target:
                 "rerun with --trust-remote-code (or `trust_remote_code: true` in the pipeline config) to run it"
             )
         try:
-            tok = AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code)
+            if custom and self.trust_remote_code:
+                # Only the tokenizer's own module runs: AutoTokenizer would also run the checkpoint's
+                # configuration code (Kimi's config.json names a custom AutoConfig), which we never need.
+                from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+                tok = get_class_from_dynamic_module(custom, str(self.path)).from_pretrained(str(self.path))
+            else:
+                tok = AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=self.trust_remote_code)
         except ImportError as e:  # custom code whose packages are missing, e.g. tiktoken for Kimi
             hint = " (pip install 'eagle3[kimi]')" if "tiktoken" in str(e) else ""
             raise ValueError(f"{self.path}: cannot load its tokenizer: {_first_line(e)}{hint}") from None
