@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 dir, a tiny random Llama, and an isolated Prefect harness."""
+"""Shared fixtures: the real SmolLM2 dir, tiny random models (a Llama; one per supported family), and an
+isolated Prefect harness."""
 from __future__ import annotations
 
 import os
@@ -50,6 +51,16 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random Llama-3.1, Qwen3 and Kimi-K2.5 dirs laid out like their hub checkpoints (tests/families.py)."""
+    from families import FAMILIES, build, corpus
+
+    texts = corpus()
+    root = tmp_path_factory.mktemp("families")
+    return {f: build(f, root / f, texts) for f in FAMILIES}
 
 
 @pytest.fixture

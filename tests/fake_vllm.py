@@ -19,7 +19,12 @@ It follows the contract of the real source (vllm-project/vllm, read for this pro
   it after `save_file`; `load_hidden_states(path)` takes a shared flock on the lock file and
   then `load_file(path)`; `cleanup_hidden_states(path, keep_hidden_states=False)` removes the
   lock and the file.
-- REFERENCE §2 (prefix caching): with it on, a prompt whose leading blocks are cached is not
+- vllm/entrypoints/llm.py + vllm/transformers_utils/tokenizer.py: the engine loads the target's
+  tokenizer at start-up with the `trust_remote_code` it was given, so a custom-code tokenizer
+  (Kimi-K2.5's, named by `auto_map`) fails without it. The text model is vLLM's own
+  implementation of the architecture; the fake stands in transformers' (`families.reference_lm`),
+  which also reads the Kimi-K2.5 wrapper's `text_config` and `language_model.*` weights.
+- Prefix caching: with it on, a prompt whose leading blocks are cached is not
   recomputed there, so its dump comes out short. vLLM's V1 default is on; the fake mimics the
   shortfall (block size 16) unless `enable_prefix_caching=False`.
 
@@ -93,15 +98,35 @@ def cleanup_hidden_states(path: str, keep_hidden_states: bool = False) -> None:
         os.remove(path)
 
 
+def load_tokenizer(model: str, trust_remote_code: bool):
+    """The engine's tokenizer: a custom class named by auto_map runs only with trust_remote_code."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    tc = Path(model) / "tokenizer_config.json"
+    ref = (json.loads(tc.read_text()).get("auto_map") or {}).get("AutoTokenizer") if tc.is_file() else None
+    if ref:
+        if not trust_remote_code:
+            raise ValueError(f"Loading {model} requires you to execute the tokenizer file in that repo on your local "
+                             "machine. Set `trust_remote_code=True` to remove this error.")
+        return get_class_from_dynamic_module(ref[0] if isinstance(ref, list) else ref, model).from_pretrained(model)
+    return AutoTokenizer.from_pretrained(model)
+
+
 class LLM:
     instances: list["LLM"] = []  # every LLM built, for tests to inspect
 
     def __init__(self, model: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
-                 dtype: str = "auto", **kwargs: Any):
-        from transformers import AutoModelForCausalLM
+                 dtype: str = "auto", trust_remote_code: bool = False, **kwargs: Any):
+        from families import reference_lm
 
         self.kwargs = dict(model=model, tensor_parallel_size=tensor_parallel_size,
-                           gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, **kwargs)
+                           gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
+                           trust_remote_code=trust_remote_code, **kwargs)
+        self.tokenizer = load_tokenizer(model, trust_remote_code)
         kv = kwargs.get("kv_transfer_config")
         if isinstance(kv, dict):
             kv = KVTransferConfig(**kv)
@@ -121,7 +146,7 @@ class LLM:
         self.storage = kv.get_from_extra_config("shared_storage_path", "/tmp")
         self.prefix_caching = kwargs.get("enable_prefix_caching", True) is not False
         self.dtype = torch.bfloat16 if dtype in ("auto", "bfloat16") else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.model = reference_lm(model)
         self.request_counter = itertools.count()
         self._cached_blocks: set[tuple[int, ...]] = set()
         self._threads: list[threading.Thread] = []

@@ -66,13 +66,14 @@ class LLM:
     keep_stop_token = True
 
     def __init__(self, model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", seed: int | None = None,
-                 gpu_memory_utilization: float = 0.9, **kwargs: Any):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+                 gpu_memory_utilization: float = 0.9, trust_remote_code: bool = False, **kwargs: Any):
+        from fake_vllm import load_tokenizer
+        from families import reference_lm
 
         self.kwargs = dict(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
-                           gpu_memory_utilization=gpu_memory_utilization, **kwargs)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-        self.eos = AutoTokenizer.from_pretrained(model).eos_token_id
+                           gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code, **kwargs)
+        self.model = reference_lm(model)  # vLLM runs its own implementation; transformers' stands in
+        self.eos = load_tokenizer(model, trust_remote_code).eos_token_id
         self.max_model_len = kwargs.get("max_model_len") or self.model.config.max_position_embeddings
         self.request_counter = itertools.count()
         self.calls: list[int] = []  # prompts per generate call

@@ -380,3 +380,24 @@ def test_loads_what_our_exporter_writes(target, tiny_llama_dir, tmp_path):
         got, f = load_draft(out, tiny_llama_dir, emb)
         assert f == fmt and got.config == d.config
         _same(got, d)
+
+
+def test_bf16_draft_keeps_fp32_rotary_tables(tiny_llama_dir):
+    """On GPU the evaluator runs the draft in bf16; its RoPE tables must stay the fp32 ones (as vLLM's
+    are). A plain `.to(bf16)` also casts `inv_freq` and moves the angles by radians at long distances."""
+    import copy
+
+    from eagle3.evaluate import cast_draft
+
+    d = random_draft(tiny_llama_dir)
+    pos = torch.tensor([[0, 1, 17, 1000, 4000]])
+    x = torch.zeros(1, 5, d.config.head_dim)
+    ref_cos, ref_sin = d.rope(x, pos)
+    b = cast_draft(copy.deepcopy(d), "cpu", torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in b.parameters())
+    assert b.d2t.dtype == torch.int64 and b.t2d.dtype == torch.bool
+    cos, sin = b.rope(x.bfloat16(), pos)
+    assert torch.equal(cos, ref_cos.bfloat16()) and torch.equal(sin, ref_sin.bfloat16())
+    naive = copy.deepcopy(d).to(dtype=torch.bfloat16)
+    bad_cos, _ = naive.rope(x.bfloat16(), pos)
+    assert (bad_cos.float() - ref_cos).abs().max() > 0.1  # what the cast above avoids

@@ -148,3 +148,26 @@ def test_real_vllm_matches_hf_backend(smollm2_dir, tmp_path):
         hit += (pa == pb).sum().item()
         total += len(pa)
     assert hit / total >= 0.97
+
+
+@pytest.mark.parametrize("fam", ["llama-3.1", "qwen3", "kimi-k2.5"])
+def test_vllm_backend_on_family_layouts(family_dirs, fam, tmp_path, monkeypatch):
+    """The vllm backend on each family's layout (Kimi-K2.5: wrapper, MLA + MoE, custom tokenizer) stores
+    what the hf backend stores; Kimi's engine is built with trust_remote_code, and fails without it."""
+    fake_vllm.install(monkeypatch)
+    model, trust = family_dirs[fam], fam == "kimi-k2.5"
+    rows = random_samples(1000, [30, 12, 21], seed=3)
+    write_prepared(tmp_path / "prep", {"train": rows})
+    v = run_extract(model, tmp_path / "prep", tmp_path / "v", ExtractConfig(backend="vllm"), show_progress=False,
+                    trust_remote_code=trust)
+    (llm,) = fake_vllm.LLM.instances
+    assert llm.kwargs["trust_remote_code"] is trust and v.layer_ids == [2, 4, 5, 8]
+    h = run_extract(model, tmp_path / "prep", tmp_path / "h", ExtractConfig(), show_progress=False,
+                    trust_remote_code=trust)
+    for a, b in zip(open_store(tmp_path / "v"), open_store(tmp_path / "h")):
+        assert a["input_ids"].tolist() == b["input_ids"].tolist()
+        torch.testing.assert_close(a["aux_hidden_states"].float(), b["aux_hidden_states"].float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(a["final_hidden_states"].float(), b["final_hidden_states"].float(), atol=1e-2, rtol=1e-2)
+    if trust:
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            run_extract(model, tmp_path / "prep", tmp_path / "v2", ExtractConfig(backend="vllm"), show_progress=False)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
 from eagle3.target import Target
-from families import FAMILIES, build, corpus, reference_lm
+from families import FAMILIES, reference_lm
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,13 +34,6 @@ EOT = {"llama-3.1": ("<|eot_id|>", ["<|start_header_id|>assistant<|end_header_id
        "qwen3": ("<|im_end|>", ["<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"]),
        "kimi-k2.5": ("<|im_end|>", ["<|im_assistant|>assistant<|im_middle|><think></think>"] * 2)}
 TRUST = {"kimi-k2.5": True}
-
-
-@pytest.fixture(scope="session")
-def family_dirs(tmp_path_factory):
-    texts = corpus()
-    root = tmp_path_factory.mktemp("families")
-    return {f: build(f, root / f, texts) for f in FAMILIES}
 
 
 def open_target(family_dirs, fam) -> Target:
@@ -222,3 +215,20 @@ def test_family_end_to_end(family_dirs, fam, tmp_path, request):
     target_lm = t.load_model(head=True, device="cpu")
     o = measure(target_lm, tok, Oracle(target_lm), [2, 4, 5], convs, 3, 10, eos)
     assert o["lossless"] is True and o["acceptance_length"] == 4.0
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_regenerate_with_each_family(family_dirs, fam, tmp_path):
+    """The target answers in its own template and stops on its own end-of-turn ids (hf backend)."""
+    from eagle3.config import RegenConfig
+    from eagle3.regenerate import read_records, regenerate
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},
+                                                     {"role": "assistant", "content": w}]}) + "\n"
+                           for w in ("hello", "goodbye")))
+    m = regenerate(family_dirs[fam], str(src), tmp_path / "out", RegenConfig(max_new_tokens=6),
+                   trust_remote_code=TRUST.get(fam, False))
+    recs = read_records(tmp_path / "out")
+    assert m.records_written == 2 and len(recs) == 2
+    assert all(r["messages"][1]["role"] == "assistant" for r in recs)

@@ -36,6 +36,20 @@ def test_kimi_preset_specifics():
     cfg = PipelineConfig.from_file(EX / "kimi-k2.5.yaml")
     assert cfg.extract.tensor_parallel_size == 8
     assert cfg.extract.aux_layer_ids == [2, 30, 58] and cfg.target.num_hidden_layers == 61
+    assert cfg.trust_remote_code is True  # its tokenizer is custom code
+
+
+def test_local_moe_target_is_planned_from_its_config(family_dirs):
+    """A local Kimi-layout dir: the plan reads the wrapper's text config, counts routed + shared experts
+    for the total and only the routed experts per token (+ shared) for the active parameters."""
+    from eagle3.preflight import target_plan
+
+    cfg = PipelineConfig(model=str(family_dirs["kimi-k2.5"]), trust_remote_code=True)
+    t = target_plan(cfg)
+    assert (t.hidden_size, t.num_hidden_layers, t.vocab_size, t.head_dim) == (64, 8, 1280, 128)
+    assert t.active_parameters is not None and t.active_parameters < t.num_parameters
+    dense = target_plan(PipelineConfig(model=str(family_dirs["qwen3"])))
+    assert dense.active_parameters is None and dense.vocab_size == 1152
 
 
 def test_preflight_refuses_a_run_that_cannot_finish():
