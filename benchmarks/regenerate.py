@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import RegenConfig  # noqa: E402
 from eagle3.regenerate import OUT_FILE, load_hf, regenerate  # noqa: E402
+from eagle3.target import Target  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     model = materialize_smollm2(a.model) if a.model == str(REPO / "assets" / "smollm2") else Path(a.model)
-    gen, _ = load_hf(model, RegenConfig())
+    gen, _ = load_hf(Target.open(model), RegenConfig())
     rows, first = [], None
     with tempfile.TemporaryDirectory() as tmp:
         data = a.data

@@ -30,6 +30,7 @@ BENCHES = {
     "train": ["train.py"],
     "regenerate": ["regenerate.py"],
     "faults": ["faults.py"],
+    "families": ["families.py"],
 }
 QUICK = {  # smaller settings for a smoke run of this script itself
     "prepare": ["--limit", "200"],

@@ -111,6 +111,8 @@ def _cmd_run(a) -> None:
     # here, against a 20 s default timeout (REFERENCE §3).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if os.environ.get("PREFECT_HOME"):  # the embedded server's SQLite file goes there; a missing dir times it out
+        os.makedirs(os.path.expanduser(os.environ["PREFECT_HOME"]), exist_ok=True)
     from flows.pipeline import pipeline
 
     result = pipeline(cfg)
