@@ -232,3 +232,15 @@ def test_regenerate_with_each_family(family_dirs, fam, tmp_path):
     recs = read_records(tmp_path / "out")
     assert m.records_written == 2 and len(recs) == 2
     assert all(r["messages"][1]["role"] == "assistant" for r in recs)
+
+
+def test_quantized_checkpoint_is_refused_by_the_hf_backend(family_dirs, tmp_path):
+    import shutil
+
+    d = tmp_path / "kimi-int4"
+    shutil.copytree(family_dirs["kimi-k2.5"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="compressed-tensors.*--backend vllm"):
+        Target.open(d, trust_remote_code=True).load_model(head=False, device="cpu")
