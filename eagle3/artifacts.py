@@ -255,15 +255,17 @@ class EvalReport(StageManifest):
     k: int = 0
     num_prompts: int = 0
     num_turns: int = 0
+    mode: str = Field("live", description="'live' (decoded and timed) or 'replay' (exact tau, no speed, no lossless)")
     acceptance_length: float = 0.0
+    acceptance_length_ci: list[float] | None = Field(None, description="replay: 95% bootstrap CI over prompts")
     per_position_acceptance: list[float] = Field(default_factory=list)
-    lossless: bool = False
+    lossless: bool | None = Field(False, description="live: every output equals the target's greedy one; replay: None")
     num_drafts: int = 0
     num_accepted_tokens: int = 0
     generated_tokens: int = 0
-    tokens_per_second: float = 0.0
-    target_tokens_per_second: float = 0.0
-    speedup_vs_target: float = 0.0
+    tokens_per_second: float | None = 0.0
+    target_tokens_per_second: float | None = 0.0
+    speedup_vs_target: float | None = 0.0
     report_file: str = "report.json"
     plot_file: str = Field("", description="acceptance.png, or '' when matplotlib is absent")
 

@@ -128,7 +128,7 @@ def _print_summary(cfg, result: dict) -> None:
     final = os.path.abspath(result["final"])
     spec = json.dumps({"method": "eagle3", "model": final, "num_speculative_tokens": r.k})
     print(f"\ntau (acceptance length) = {r.acceptance_length:.3f} at k={r.k} on {r.num_prompts} prompts "
-          f"({cfg.eval.prompts}); speedup {r.speedup_vs_target:.2f}x over greedy; lossless: {r.lossless}")
+          f"({cfg.eval.prompts}); speedup {r.speedup_vs_target or 0:.2f}x over greedy; lossless: {r.lossless}")
     print(f"draft: {final}")
     print(f"serve it: vllm serve {os.path.abspath(cfg.model)} --speculative-config '{spec}'")
 
@@ -213,6 +213,11 @@ def _add_eval(sub) -> None:
                    help="vllm: per engine (the target-only and the speculative engine share the GPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="hf: torch CPU threads (default torch's); 1 is fastest on a loaded shared CPU")
+    p.add_argument("--mode", choices=["live", "replay"], default="live",
+                   help="live (default): decode, time, check lossless; replay: exact tau from the target's cached "
+                   "greedy answers and one TTT pass of the draft, with a 95%% CI (hf backend)")
+    p.add_argument("--replay-cache", default=None,
+                   help="replay: cache dir of greedy answers and aux states (default $EAGLE3_CACHE_DIR/replay)")
     _add_trust(p)
     p.set_defaults(func=_cmd_eval)
 
@@ -222,7 +227,9 @@ def _cmd_eval(a) -> None:
 
     EvalConfig(prompts=a.prompts, k=a.k, max_new_tokens=a.max_new_tokens, limit=a.limit,
                backend=a.backend, gpu_memory_utilization=a.gpu_memory_utilization,
-               threads=a.threads)  # bounds -> ValueError
+               threads=a.threads, mode=a.mode)  # bounds -> ValueError
+    if a.mode == "replay" and a.backend != "hf":
+        raise UserError("--mode replay runs on the hf backend (vLLM's own metrics are live by nature)")
     if a.backend == "vllm":
         from eagle3.eval_vllm import evaluate_vllm
 
@@ -235,13 +242,15 @@ def _cmd_eval(a) -> None:
             print(f"eval: {i}/{n} prompts", file=sys.stderr, flush=True)
 
         m = evaluate(a.model, a.draft, a.prompts, a.k, a.out, a.max_new_tokens, a.limit, progress=progress,
-                     threads=a.threads, trust_remote_code=a.trust_remote_code)
-    print(json.dumps({"out": a.out, "draft_format": m.draft_format, "k": m.k, "num_prompts": m.num_prompts,
-                      "acceptance_length": round(m.acceptance_length, 4),
+                     threads=a.threads, trust_remote_code=a.trust_remote_code, mode=a.mode,
+                     replay_cache=a.replay_cache)
+    print(json.dumps({"out": a.out, "mode": m.mode, "draft_format": m.draft_format, "k": m.k,
+                      "num_prompts": m.num_prompts, "acceptance_length": round(m.acceptance_length, 4),
+                      "acceptance_length_ci": m.acceptance_length_ci,
                       "per_position_acceptance": [round(x, 4) for x in m.per_position_acceptance],
-                      "lossless": m.lossless, "tokens_per_second": round(m.tokens_per_second, 2),
-                      "target_tokens_per_second": round(m.target_tokens_per_second, 2),
-                      "speedup_vs_target": round(m.speedup_vs_target, 3)}, indent=1))
+                      "lossless": m.lossless, "tokens_per_second": m.tokens_per_second,
+                      "target_tokens_per_second": m.target_tokens_per_second,
+                      "speedup_vs_target": m.speedup_vs_target}, indent=1))
 
 
 # ---------------------------------------------------------------- train

@@ -178,6 +178,10 @@ class EvalConfig(_Cfg):
     max_new_tokens: int = Field(256, ge=1, le=1 << 16, description="tokens generated per turn at most")
     limit: int | None = Field(None, ge=1, description="evaluate only the first N prompts")
     backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, any machine) or 'vllm' (GPU host)")
+    mode: Literal["live", "replay"] = Field(
+        "live", description="live: decode and time speculative vs plain greedy, check losslessness; replay: exact "
+        "tau from the target's cached greedy answers and one TTT pass of the draft (no speed, no lossless check)",
+    )
     gpu_memory_utilization: float = Field(
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
     )

@@ -294,17 +294,19 @@ class DraftProposer:
 # ================================================================ decoding
 @dataclass
 class Stats:
-    """vLLM's spec-decode counters for one run."""
+    """vLLM's spec-decode counters for one run, and the accepted count of every round in order."""
 
     k: int
     drafts: int = 0
     accepted: int = 0
     per_pos: list[int] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.per_pos = self.per_pos or [0] * self.k
 
     def add(self, n: int) -> None:
+        self.rounds.append(n)
         self.drafts += 1
         self.accepted += n
         for i in range(n):
@@ -319,7 +321,7 @@ class Stats:
         return [c / self.drafts if self.drafts else 0.0 for c in self.per_pos]
 
 
-def _finish(out: list[int], max_new: int, eos: set[int]) -> list[int]:
+def finish_answer(out: list[int], max_new: int, eos: set[int]) -> list[int]:
     """Cut at max_new tokens and after the first stop token (kept, as vLLM returns it)."""
     out = out[:max_new]
     for i, t in enumerate(out):
@@ -365,7 +367,7 @@ def speculative_generate(
         new = draft[:n] + [pred[n]]
         ids += new
         out += new
-    return _finish(out, max_new, eos)
+    return finish_answer(out, max_new, eos)
 
 
 def run_conversation(conv: Conversation, tokenizer, generate: Callable[[list[int]], list[int]]) -> list[list[int]]:
@@ -460,7 +462,7 @@ def summarize(
         "k": k,
         "num_prompts": len(convs),
         "num_turns": sum(c.turns for c in convs),
-        "lossless": all(t["lossless"] for it in items for t in it["turns"]),
+        "lossless": all(t.get("lossless", True) for it in items for t in it["turns"]),
         "tokens_per_second": tps,
         "target_tokens_per_second": tps_plain,
         "speedup_vs_target": tps / tps_plain if tps_plain else 0.0,
@@ -680,7 +682,7 @@ def write_outputs(out: Path, report: dict[str, Any], manifest) -> Any:
     atomic_write_text(out / SAMPLES, "".join(json.dumps(it, ensure_ascii=False) + "\n" for it in items))
     report["lossless_failures"] = [
         {"id": it["id"], "turn": i, "first_mismatch": t["first_mismatch"]}
-        for it in items for i, t in enumerate(it["turns"]) if not t["lossless"]
+        for it in items for i, t in enumerate(it["turns"]) if not t.get("lossless", True)  # replay checks none
     ]
     has_plot = plot_acceptance(report, out / PLOT, f"{manifest.draft_dir}  k={report['k']}  "
                                f"tau={report['acceptance_length']:.3f}")
@@ -702,6 +704,8 @@ def evaluate(
     progress: Callable[[int, int], None] | None = None,
     threads: int | None = None,
     trust_remote_code: bool = False,
+    mode: str = "live",
+    replay_cache: str | Path | None = None,
 ):
     """`eagle3 eval` (HF backend): measure a draft head; write report.json, acceptance.png, manifest.json.
 
@@ -711,7 +715,7 @@ def evaluate(
     """
     from eagle3.config import EvalConfig
 
-    cfg = EvalConfig(prompts=str(prompts), k=k, max_new_tokens=max_new_tokens, limit=limit, threads=threads)
+    cfg = EvalConfig(prompts=str(prompts), k=k, max_new_tokens=max_new_tokens, limit=limit, threads=threads, mode=mode)
     if threads:
         torch.set_num_threads(threads)
     convs, prompts_fp = load_prompts(prompts, limit)
@@ -720,10 +724,34 @@ def evaluate(
     p = next(model.parameters())
     draft = cast_draft(draft, p.device, p.dtype)
     t0 = time.perf_counter()
-    report = measure(model, tok, DraftProposer(draft), draft.config.aux_layer_ids, convs, k, max_new_tokens,
-                     eos, progress=progress)
+    if mode == "replay":
+        report = replay_report(Target.open(model_dir, trust_remote_code), model, draft, convs, k, max_new_tokens,
+                               eos, replay_cache)
+    else:
+        report = measure(model, tok, DraftProposer(draft), draft.config.aux_layer_ids, convs, k, max_new_tokens,
+                         eos, progress=progress)
+    report.setdefault("mode", "live")
     report.update(backend="hf", draft_format=fmt, prompts=str(prompts), wall_seconds=time.perf_counter() - t0)
     return finish_report(out, report, cfg, model_dir, draft_dir, prompts_fp, Target.open(model_dir).fingerprint())
+
+
+def replay_report(target: Target, model: torch.nn.Module, draft: Eagle3Draft, convs: Sequence[Conversation], k: int,
+                  max_new_tokens: int, eos: set[int], cache: str | Path | None = None) -> dict[str, Any]:
+    """`--mode replay`: tau from the target's cached greedy answers and one TTT pass of the draft
+    (eagle3/eval/replay.py); logs how long building each cache took."""
+    from eagle3.eval.replay import aux_states, continuations, replay
+
+    turns, d, gen_s = continuations(target, model, convs, max_new_tokens, tail=max(k, 8),
+                                    cache=Path(cache) if cache else None, progress=log.info)
+    aux, aux_s = aux_states(model.get_decoder(), turns, draft.config.aux_layer_ids, d)
+    t1 = time.perf_counter()
+    report = replay(draft, turns, aux, convs, k, max_new_tokens, eos)
+    report["replay_seconds"] = {"continuations": round(gen_s, 2), "aux_states": round(aux_s, 2),
+                                "replay": round(time.perf_counter() - t1, 2)}
+    report["replay_cache"] = str(d)
+    log.info("replay: cache %s (continuations %.1f s, aux states %.1f s; 0 = cached), replay %.1f s", d, gen_s, aux_s,
+             time.perf_counter() - t1)
+    return report
 
 
 def cast_draft(draft: Eagle3Draft, device, dtype) -> Eagle3Draft:
@@ -750,5 +778,6 @@ def finish_report(out, report: dict[str, Any], cfg, model_dir, draft_dir, prompt
         model_dir=str(model_dir),
         draft_dir=str(draft_dir),
         **{f: report[f] for f in EvalReport.RESULTS},
+        mode=report.get("mode", "live"), acceptance_length_ci=report.get("acceptance_length_ci"),
     )
     return write_outputs(Path(out), report, m)

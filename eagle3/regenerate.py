@@ -80,6 +80,7 @@ class Gen:
 
     ids: list[int]
     finish: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    raw: list[int] = field(default_factory=list)  # hf: every decoded token, the stop and any `tail` past it
 
 
 class Generator(Protocol):
@@ -110,8 +111,10 @@ class HFGenerator:
 
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, eos: set[int], cfg: RegenConfig, pad_id: int):
-        self.model, self.eos, self.cfg, self.pad = model, set(eos), cfg, pad_id
+    def __init__(self, model: torch.nn.Module, eos: set[int], cfg: RegenConfig, pad_id: int, tail: int = 0):
+        # tail: keep decoding this many tokens past the stop (replay evaluation checks a draft's
+        # proposals against the target's greedy tokens up to k past the end of an answer)
+        self.model, self.eos, self.cfg, self.pad, self.tail = model, set(eos), cfg, pad_id, tail
         p = next(model.parameters())
         self.device = p.device
         self.dtype = str(p.dtype).removeprefix("torch.")
@@ -172,6 +175,7 @@ class HFGenerator:
         rows = list(range(B))  # batch row -> prompt index, for rows still running
         out: list[list[int]] = [[] for _ in range(B)]
         done: list[Gen | None] = [None] * B
+        end: list[int | None] = [None] * B  # decoded length at which a row stops: its stop + tail
         max_new = self.cfg.max_new_tokens
         while rows:
             nxt = self._pick(logits, [gens[i] for i in rows]).tolist()  # [b]
@@ -179,8 +183,11 @@ class HFGenerator:
             for r, (i, t) in enumerate(zip(rows, nxt)):
                 out[i].append(t)
                 self.tokens += 1
-                if t in self.eos or len(out[i]) >= max_new:
+                if end[i] is None and (t in self.eos or len(out[i]) >= max_new):
+                    end[i] = len(out[i]) + self.tail
+                if end[i] is not None and len(out[i]) >= end[i]:
                     done[i] = _finish(out[i], self.eos, max_new)
+                    done[i].raw = out[i]
                 else:
                     keep.append(r)
             if not keep:

@@ -76,7 +76,7 @@ def summarize(config, d, prepared, hidden, verifier, trained, report) -> None:
     create_table_artifact(rows, key="eagle3-run-stages", description=f"eagle3 run {config.run_dir}: stage dirs")
     md = [f"# eagle3 run `{config.run_dir}`", "",
           f"**tau = {report.acceptance_length:.3f}** at k={report.k} on {report.num_prompts} prompts; "
-          f"speedup {report.speedup_vs_target:.2f}x over greedy; lossless: {report.lossless}.", "",
+          f"speedup {report.speedup_vs_target or 0:.2f}x over greedy; lossless: {report.lossless}.", "",
           f"Draft: `{d['train']}/{trained.final_dir}`; report: `{d['eval']}/report.json`.", ""]
     for title, table in (("prepare", counts_table(prepared)), ("extract", stats_table(hidden)),
                          ("train", metrics_table(trained)), ("eval", results_table(report))):

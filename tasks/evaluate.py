@@ -26,14 +26,20 @@ def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _r(x: float | None, nd: int) -> float | str:
+    return "n/a (replay)" if x is None else round(x, nd)
+
+
 def results_table(m: EvalReport) -> list[dict[str, Any]]:
     rows = [
         {"what": "acceptance length (tau)", "value": round(m.acceptance_length, 4)},
         {"what": "k", "value": m.k},
         {"what": "lossless", "value": m.lossless},
-        {"what": "tokens/s (speculative)", "value": round(m.tokens_per_second, 2)},
-        {"what": "tokens/s (target greedy)", "value": round(m.target_tokens_per_second, 2)},
-        {"what": "speedup vs target", "value": round(m.speedup_vs_target, 3)},
+        {"what": "mode", "value": m.mode},
+        {"what": "tau 95% CI (replay)", "value": str(m.acceptance_length_ci)},
+        {"what": "tokens/s (speculative)", "value": _r(m.tokens_per_second, 2)},
+        {"what": "tokens/s (target greedy)", "value": _r(m.target_tokens_per_second, 2)},
+        {"what": "speedup vs target", "value": _r(m.speedup_vs_target, 3)},
         {"what": "prompts / turns", "value": f"{m.num_prompts} / {m.num_turns}"},
         {"what": "verify passes", "value": m.num_drafts},
         {"what": "backend / head format", "value": f"{m.backend} / {m.draft_format}"},
@@ -74,9 +80,9 @@ def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_co
 
         m = evaluate(model, draft, cfg.prompts, cfg.k, out, cfg.max_new_tokens, cfg.limit,
                      progress=lambda i, n: log.info("eval: %d/%d prompts", i, n), threads=cfg.threads,
-                     trust_remote_code=trust_remote_code)
-    log.info("eval: tau %.3f at k=%d, lossless %s, %.2f tok/s, speedup %.3fx over greedy",
-             m.acceptance_length, m.k, m.lossless, m.tokens_per_second, m.speedup_vs_target)
+                     trust_remote_code=trust_remote_code, mode=cfg.mode)
+    log.info("eval (%s): tau %.3f at k=%d, lossless %s, %s tok/s, speedup %s over greedy", m.mode,
+             m.acceptance_length, m.k, m.lossless, _r(m.tokens_per_second, 2), _r(m.speedup_vs_target, 3))
     create_table_artifact(results_table(m), key="eval-results", description="eagle3 eval: tau, speed, lossless")
     create_markdown_artifact(report_markdown(m, out), key="eval-report", description="eagle3 eval: report and plot")
     return m
