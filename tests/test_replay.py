@@ -26,6 +26,8 @@ def head(tmp_path_factory, tiny_llama_dir):
     from eagle3.verifier import extract_verifier
 
     root = tmp_path_factory.mktemp("replay-head")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread (OpenMP waits dominate on a shared CPU)
     regenerate(tiny_llama_dir, "sharegpt", root / "regen", RegenConfig(limit=24, max_new_tokens=64, batch_size=8))
     prepare(tiny_llama_dir, root / "prep", PrepareConfig(data=str(root / "regen" / "regenerated.jsonl"),
                                                          max_len=256, draft_vocab=1024, val_fraction=0.1), progress=False)
@@ -34,6 +36,7 @@ def head(tmp_path_factory, tiny_llama_dir):
     cfg = TrainConfig(ttt_steps=3, max_steps=40, epochs=20, pack_tokens=256, lr=3e-3, warmup_steps=2, threads=1,
                       val_every=1000, ckpt_every=1000, log_every=1000)
     train(cfg, root / "hid", root / "ver", root / "train", progress=False)
+    torch.set_num_threads(n)
     return root / "train" / "final"
 
 
