@@ -89,10 +89,14 @@ def fake_vllm(tiny_llama_dir):
         max_tokens: int = 16
 
     class LLM:
-        def __init__(self, model, speculative_config=None, disable_log_stats=True, **kw):
+        def __init__(self, model, speculative_config=None, disable_log_stats=True, trust_remote_code=False, **kw):
+            from fake_vllm import load_tokenizer
+            from families import reference_lm
+
             assert kw.get("enable_prefix_caching") is False and not disable_log_stats
-            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-            self.eos = Target.open(model).stop_ids()
+            load_tokenizer(model, trust_remote_code)  # the engine's tokenizer: custom code only when trusted
+            self.model = reference_lm(model)  # vLLM's own implementation; transformers' stands in
+            self.eos = Target.open(model, trust_remote_code).stop_ids()
             self.spec = speculative_config
             if speculative_config is not None:
                 assert speculative_config["method"] == "eagle3"
@@ -170,3 +174,27 @@ def test_real_vllm_eval(smollm2_dir, tmp_path):
     m = evaluate_vllm(smollm2_dir, draft, "mt-bench", 3, tmp_path / "eval", max_new_tokens=32, limit=2)
     assert 1.0 <= m.acceptance_length <= 4.0 and m.num_drafts > 0
     assert len(m.per_position_acceptance) == 3
+
+
+@pytest.mark.parametrize("fam", ["qwen3", "kimi-k2.5"])
+def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, monkeypatch):
+    """The vLLM eval path on a padded-vocab Qwen3 and a Kimi-K2.5 layout (wrapper, custom tokenizer) equals the hf path."""
+    from test_evaluate import random_draft, write_native
+
+    from eagle3.eval_vllm import evaluate_vllm
+    from eagle3.evaluate import evaluate
+
+    model, trust = family_dirs[fam], fam == "kimi-k2.5"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        monkeypatch.setitem(sys.modules, "vllm", fake_vllm(model))
+        draft = write_native(random_draft(model, draft_vocab=256, seed=2), tmp_path / "final")
+        p = tmp_path / "p.jsonl"
+        p.write_text(json.dumps({"turns": ["One.", "Two."]}) + "\n")
+        v = evaluate_vllm(model, draft, p, 2, tmp_path / "v", max_new_tokens=8, trust_remote_code=trust)
+        h = evaluate(model, draft, p, 2, tmp_path / "h", max_new_tokens=8, trust_remote_code=trust)
+    finally:
+        torch.set_num_threads(n)
+    assert v.lossless and h.lossless and v.num_turns == 2
+    assert (v.num_drafts, v.num_accepted_tokens, v.generated_tokens) == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens)
