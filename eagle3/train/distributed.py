@@ -2,7 +2,7 @@
 
 Runs under `torchrun` (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR in the environment) or as
 one plain process. gloo on CPU, nccl on CUDA. Parallelism is applied to a built model by
-`wrap`: DDP everywhere, or FSDP2 (`fully_shard`) on CUDA.
+`wrap`: DDP, or FSDP2 (`fully_shard`; the trainer offers it on CUDA).
 
 Multi-node: pass torchrun's own flags through, e.g.
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \
@@ -58,18 +58,20 @@ def barrier() -> None:
 
 
 def wrap(model: nn.Module, d: Dist, fsdp: bool = False) -> nn.Module:
-    """DDP (or FSDP2 on CUDA) around a built model; the model itself is returned for one process."""
+    """DDP or FSDP2 around a built model, over the process group; without a group (one plain
+    process) DDP is the model itself. FSDP2 also runs over gloo on the CPU (benchmarks/gpu_check.py
+    --smoke checks it there against DDP); the trainer offers --fsdp on CUDA only."""
     if fsdp:
-        if d.device.type != "cuda":
-            raise ValueError("--fsdp needs CUDA; on CPU use DDP (the default)")
         from torch.distributed.fsdp import fully_shard
 
         if not dist.is_initialized():  # FSDP2 needs a process group, even of one (torchrun set the env)
-            dist.init_process_group("nccl")
-        fully_shard(model.draft.midlayer if hasattr(model, "draft") else model.midlayer)
+            dist.init_process_group("nccl" if d.device.type == "cuda" else "gloo")
+        # One group at the root: FSDP2 gathers a module's shards in that module's forward hooks, and
+        # the draft layer's forward never runs (TTT calls its `project` and `finish` k times each), so
+        # a group of its own would leave its weights sharded inside them (found by gpu_check --smoke).
         fully_shard(model)
         return model
-    if d.world == 1:
+    if not dist.is_initialized():  # init() starts a group only for world > 1
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
