@@ -49,8 +49,13 @@ class TimedHF(HFBackend):
 
     @torch.inference_mode()
     def _bare(self, ids):
+        cuda = self.device.type == "cuda"  # CUDA runs ahead of Python: time between synchronizations
+        if cuda:
+            torch.cuda.synchronize(self.device)
         t = time.perf_counter()
-        self.model(input_ids=ids, use_cache=False)  # model.model: decoder stack + final norm
+        self.model(input_ids=ids.to(self.device), use_cache=False)  # model.model: decoder stack + final norm
+        if cuda:
+            torch.cuda.synchronize(self.device)
         self.bare_s += time.perf_counter() - t
 
     def forward(self, ids):

@@ -53,12 +53,14 @@ import os
 import platform
 import random
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -86,7 +88,7 @@ SETTINGS = {
         attn_lengths=[4096, 8192, 16384], attn_heads=(32, 8, 128), attn_j=6, attn_check_len=512, attn_reps=3,
         extract_target=LLAMA32_1B, extract_words=8000, extract_convs=96, extract_turn_words=520,
         eval_target=TINY, eval_prompts=6, eval_k=3, eval_max_new=48, rope_positions=8192,
-        budget={"trainer": 110, "attention": 110, "extract": 90, "evaluator": 60, "gpu_tests": 90},
+        budget={"trainer": 100, "attention": 140, "extract": 80, "evaluator": 70, "gpu_tests": 70},
     ),
     "smoke": dict(
         train_target=TINY, draft_vocab=256, k=3, pack=256, docs=4, warmup=1, steps=2, attn_block=32,
@@ -215,7 +217,7 @@ def random_pack(L: int, docs: int, V: int, H: int, dev, seed: int) -> dict:
     return {k: v.to(dev) for k, v in b.items()}
 
 
-def trainer(s: dict, dev, work: Path, deadline: float) -> dict:
+def trainer(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     import torch.distributed as tdist
 
@@ -229,11 +231,11 @@ def trainer(s: dict, dev, work: Path, deadline: float) -> dict:
     V, H, L, k = c.vocab_size, c.hidden_size, s["pack"], s["k"]
     flops = train_flops_per_token(c, k, L, s["docs"])
     ceiling = matmul_tflops(dev, 8192 if cuda else 256)
-    out: dict = {"shape": {"hidden": H, "draft_vocab": c.draft_vocab_size, "vocab": V, "k": k, "pack": L,
-                           "docs_per_pack": s["docs"], "dtype": "bf16 autocast" if cuda else "fp32"},
-                 "gflop_per_token": flops / 1e9, "matmul_tflops": ceiling,
-                 "memory": "torch.cuda.max_memory_allocated" if cuda else "process peak RSS (cumulative)"}
-    print(f"matmul ceiling {ceiling:.1f} TFLOP/s; {flops / 1e9:.2f} GFLOP per trained token", flush=True)
+    out.update(shape={"hidden": H, "draft_vocab": c.draft_vocab_size, "vocab": V, "k": k, "pack": L,
+                      "docs_per_pack": s["docs"], "dtype": "bf16 autocast"},
+               gflop_per_token=flops / 1e9, matmul_tflops=ceiling,
+               memory="torch.cuda.max_memory_allocated" if cuda else "process peak RSS (cumulative)")
+    print(f"matmul ceiling {ceiling:.3g} TFLOP/s; {flops / 1e9:.3g} GFLOP per trained token", flush=True)
     # A process group of one, as torchrun would give a single GPU; wrap() then builds real DDP / FSDP2.
     tdist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{work / 'rendezvous'}",
                              rank=0, world_size=1)
@@ -242,7 +244,8 @@ def trainer(s: dict, dev, work: Path, deadline: float) -> dict:
     d2t = torch.randperm(V)[: c.draft_vocab_size].sort().values - torch.arange(c.draft_vocab_size)
     head = TargetHead(torch.ones(H), c.rms_norm_eps, torch.randn(V, H, device=dev) * 0.02, d2t).to(dev)
     packs = [random_pack(L, s["docs"], V, H, dev, seed) for seed in (2, 3)]
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()  # as the trainer
+    # bf16 autocast as the trainer on CUDA; in --smoke on the CPU too, so CI runs the mixed-precision path
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16)
     losses = {}
     for mode in ("ddp", "fsdp"):
         if time.monotonic() > deadline:
@@ -290,11 +293,10 @@ def trainer(s: dict, dev, work: Path, deadline: float) -> dict:
         # bf16 matmuls may be scheduled differently after the first update: a relative 1e-3 then
         checks["ddp_fsdp_equal_losses"] = len(a) == len(b) and diff <= (1e-3 if cuda else 1e-5) * max(map(abs, a))
     out["checks"] = checks
-    return out
 
 
 # ================================================================ TTT attention
-def attention(s: dict, dev, work: Path, deadline: float) -> dict:
+def attention(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -337,16 +339,20 @@ def attention(s: dict, dev, work: Path, deadline: float) -> dict:
         k, v = cat_kv(x)
         if impl == "flex":
             return flex(x[0], k, v, block_mask=mask, enable_gqa=True)
-        return F.scaled_dot_product_attention(x[0], k, v, attn_mask=mask, enable_gqa=True)
+        # kv heads repeated, not enable_gqa: on CUDA that keeps SDPA on its memory-efficient kernel,
+        # which takes an arbitrary mask (with GQA it falls back to the math path)
+        k, v = (t.repeat_interleave(Hq // Hkv, 1) for t in (k, v))
+        return F.scaled_dot_product_attention(x[0], k, v, attn_mask=mask)
 
     def make_mask(impl: str, L: int, doc):
         if impl == "flex":
             return create_block_mask(mask_mod(L, doc), None, None, L, (j + 1) * L, device=dev, _compile=cuda)
         return dense_mask(L, doc) if impl == "sdpa" else None
 
-    out: dict = {"shape": {"q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "j": j, "dtype": str(dtype).split(".")[-1]},
-                 "memory": "torch.cuda.max_memory_allocated minus the inputs" if cuda else "not measured on the CPU",
-                 "flex_backward": "measured" if cuda else "none: torch's flex_attention has no CPU backward"}
+    out.update(shape={"q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "j": j, "dtype": str(dtype).split(".")[-1]},
+               memory="torch.cuda.max_memory_allocated minus the inputs (masks and SDPA's repeated k/v count)"
+               if cuda else "not measured on the CPU",
+               flex_backward="measured" if cuda else "none: torch's flex_attention has no CPU backward")
     # ---- equality at a small L, three documents, against a high-precision reference
     L = s["attn_check_len"]
     doc = torch.arange(L, device=dev) * 3 // L
@@ -426,11 +432,10 @@ def attention(s: dict, dev, work: Path, deadline: float) -> dict:
                 res[f"time_ratio_{other}"] = (a["fwd_ms"] + a["bwd_ms"]) / (b["fwd_ms"] + b["bwd_ms"])
                 if cuda:
                     res[f"memory_ratio_{other}"] = a["extra_gib"] / b["extra_gib"]
-    return out
 
 
 # ================================================================ extraction
-def extract(s: dict, dev, work: Path, deadline: float) -> dict:
+def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -475,12 +480,12 @@ def extract(s: dict, dev, work: Path, deadline: float) -> dict:
     m = run_extract(model_dir, prep, hid, ExtractConfig(), backend=be, show_progress=False)
     stage_s = time.perf_counter() - t - be.bare_s  # the stage's own time: all but the side bare forwards
     tps, bare_tps = m.num_tokens / stage_s, m.num_tokens / be.bare_s
-    out = {"target": {k: shape[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
+    out.update({"target": {k: shape[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
            "params_billion": sum(p.numel() for p in base.parameters()) / 1e9,
            "dtype": str(next(base.parameters()).dtype).split(".")[-1], "tokens": m.num_tokens,
            "samples": m.num_samples, "stage_s": stage_s, "bare_s": be.bare_s, "hooked_forward_s": be.hook_s,
            "tokens_per_s": tps, "bare_tokens_per_s": bare_tps, "throughput_ratio": tps / bare_tps,
-           "bytes_per_token": m.num_bytes / m.num_tokens, "bytes_ratio": m.num_bytes / m.num_tokens / (4 * H * 2)}
+           "bytes_per_token": m.num_bytes / m.num_tokens, "bytes_ratio": m.num_bytes / m.num_tokens / (4 * H * 2)})
     print(f"{m.num_tokens:,} tokens: stage {tps:,.0f} tok/s, bare forwards {bare_tps:,.0f} tok/s, ratio "
           f"{tps / bare_tps:.3f}; {out['bytes_per_token']:.0f} B/token = {out['bytes_ratio']:.4f} x 4*H*2", flush=True)
     # the stored aux states of the longest sample (batched, padded) equal an unbatched forward's
@@ -493,7 +498,6 @@ def extract(s: dict, dev, work: Path, deadline: float) -> dict:
     tol = 2e-2 if cuda else 5e-3  # bf16 storage rounds by ~2e-3; on CUDA bf16 batched vs unbatched kernels too
     print(f"stored aux states vs an unbatched forward: relative error {out['aux_rel_err']:.1e}", flush=True)
     out["checks"] = {"stored_states_equal_forward": out["aux_rel_err"] <= tol}
-    return out
 
 
 # ================================================================ evaluator
@@ -530,7 +534,7 @@ def evaluator_bf16(on_cpu: bool):
         ev.DraftProposer, ev.load_target = proposer, loader
 
 
-def evaluator(s: dict, dev, work: Path, deadline: float) -> dict:
+def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -581,8 +585,8 @@ def evaluator(s: dict, dev, work: Path, deadline: float) -> dict:
         return export(dr.state_dict(), c, k, work / name)
 
     PERM = torch.randperm(V, generator=torch.Generator().manual_seed(3))
-    out: dict = {"target": {"layers": N, "hidden": H, "vocab": V}, "k": k, "max_new_tokens": max_new,
-                 "prompts": s["eval_prompts"], "device": dev.type}
+    out.update(target={"layers": N, "hidden": H, "vocab": V}, k=k, max_new_tokens=max_new, prompts=s["eval_prompts"],
+               device=dev.type)
 
     def run_eval(tgt: Path, drf: Path, name: str, bf16: bool):
         """evaluate() as `eagle3 eval` runs it; returns (report, samples, the draft its proposer got)."""
@@ -649,11 +653,10 @@ def evaluator(s: dict, dev, work: Path, deadline: float) -> dict:
         "tau_equals_fp32_cpu": r16["acceptance_length"] == r32["acceptance_length"] and all(same_text),
         "decisive_tau_above_1": r32["acceptance_length"] > 1.0,  # the draft really is accepted
     }
-    return out
 
 
 # ================================================================ pytest -m gpu
-def gpu_tests(s: dict, dev, work: Path, deadline: float) -> dict:
+def gpu_tests(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import xml.etree.ElementTree as ET
 
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
@@ -665,8 +668,16 @@ def gpu_tests(s: dict, dev, work: Path, deadline: float) -> dict:
     junit = work / "junit.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
     print(" ".join(cmd[1:]), flush=True)
-    p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=max(10.0, deadline - time.monotonic()))
+    out["files"] = files
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=max(10.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        print(text[-4000:], flush=True)
+        out.update(returncode=None, summary=f"killed at the section's time budget after {e.timeout:.0f} s",
+                   checks={"gpu_tests_pass": False})
+        return
     print(p.stdout[-4000:], flush=True)
     cases = []
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -676,8 +687,8 @@ def gpu_tests(s: dict, dev, work: Path, deadline: float) -> dict:
                       "seconds": float(case.get("time") or 0), "message": kids.get(outcome, "")})
     count = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failure", "error", "skipped")}
     summary = (p.stdout.strip().splitlines() or [""])[-1]
-    return {"files": files, "returncode": p.returncode, "summary": summary, **count, "cases": cases,
-            "checks": {"gpu_tests_pass": p.returncode in (0, 5) and not count["failure"] and not count["error"]}}
+    out.update(returncode=p.returncode, summary=summary, **count, cases=cases,
+               checks={"gpu_tests_pass": p.returncode in (0, 5) and not count["failure"] and not count["error"]})
 
 
 # ================================================================ driver
@@ -690,11 +701,22 @@ def child(a) -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     if smoke:
         torch.set_num_threads(1)  # tiny shapes on shared cores: one thread avoids OpenMP barrier waits
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")  # the CPU's only way
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + s["budget"][a.child] - 5
-    res = globals()[a.child](s, dev, work, deadline)
-    Path(a.result).write_text(json.dumps(res, default=str))
+    deadline = time.monotonic() + s["budget"][a.child] - 10
+    out: dict = {}
+
+    def write(partial: bool) -> None:
+        Path(a.result).write_text(json.dumps({**out, "partial": partial}, default=str))
+
+    def on_term(signum, frame):  # the parent's budget ran out: keep what is measured
+        write(partial=True)
+        os._exit(3)
+
+    signal.signal(signal.SIGTERM, on_term)
+    globals()[a.child](s, dev, work, deadline, out)
+    write(partial=False)
 
 
 def machine() -> dict:
@@ -719,6 +741,15 @@ def machine() -> dict:
     return m
 
 
+def skipped(obj, path: str = "") -> list[str]:
+    """Paths of the measurements a section left out for its time budget."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("skipped"), str):  # {"skipped": "time budget"}
+            return [path.strip(".")]
+        return [p for k, v in obj.items() for p in skipped(v, f"{path}.{k}")]
+    return []
+
+
 def run_section(name: str, a, budget: float, work: Path, log) -> dict:
     """One section in a child process, its output streamed with a prefix; killed at its budget."""
     result = work / f"{name}.json"
@@ -727,12 +758,18 @@ def run_section(name: str, a, budget: float, work: Path, log) -> dict:
     t = time.monotonic()
     quiet = {"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
              "TOKENIZERS_PARALLELISM": "false"}  # no weight-loading bars and notes in the log
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **quiet})
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **quiet},
+                         start_new_session=True)  # its own process group: a budget stop reaches its children too
     killed = threading.Event()
 
-    def kill():
+    def signal_group(sig) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
+
+    def kill():  # SIGTERM: the child writes its partial result; SIGKILL if it has not gone 15 s later
         killed.set()
-        p.kill()
+        signal_group(signal.SIGTERM)
+        threading.Timer(15, signal_group, (signal.SIGKILL,)).start()
 
     timer = threading.Timer(budget, kill)
     timer.start()
@@ -744,7 +781,9 @@ def run_section(name: str, a, budget: float, work: Path, log) -> dict:
     timer.cancel()
     sec = {"seconds": round(time.monotonic() - t, 1), "budget_s": budget}
     if killed.is_set():
-        return {**sec, "status": "timeout", "error": f"killed at its {budget:.0f} s budget", "log_tail": tail}
+        part = json.loads(result.read_text()) if result.is_file() else {}
+        return {**sec, "status": "timeout", "error": f"stopped at its {budget:.0f} s budget", "log_tail": tail,
+                "result": {k: v for k, v in part.items() if k != "checks"}}
     if p.returncode or not result.is_file():
         err = next((ln for ln in reversed(tail) if ln.strip()), f"exit status {p.returncode}")
         return {**sec, "status": "error", "error": err, "log_tail": tail}
@@ -797,11 +836,13 @@ def main() -> int:
                                 for c, v in sc.get("result", {}).get("checks", {}).items() if not v]
             report["failed"] += [n for n, sc in report["sections"].items() if sc["status"] != "ok"]
             report["ok"] = not report["failed"]
+            report["skipped"] = [f"{n}.{path}" for n, sc in report["sections"].items() for path in skipped(sc.get("result"))]
             tmp_json = out / "gpu_check.json.tmp"
             tmp_json.write_text(json.dumps(report, indent=1, default=str))
             tmp_json.replace(out / "gpu_check.json")
     log(f"gpu_check {mode}: {'all checks passed' if report['ok'] else 'FAILED: ' + ', '.join(report['failed'])} "
-        f"in {report['wall_s']} s; {out / 'gpu_check.json'}")
+        f"in {report['wall_s']} s; {out / 'gpu_check.json'}"
+        + (f"; left out for time: {', '.join(report['skipped'])}" if report["skipped"] else ""))
     logf.close()
     return 0 if report["ok"] else 1
 

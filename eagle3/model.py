@@ -215,8 +215,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos, sin: [B, T, D] (HF's neox-style half rotation)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    """x: [B, heads, T, D]; cos, sin: [B, T, D] (HF's neox-style half rotation), in x's dtype.
+
+    Under bf16 autocast q and k come from their projections in bf16 while the tables are fp32 (the
+    frozen embedding is not autocast): without the cast q and k would leave in fp32 and v in bf16.
+    """
+    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+    return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):

@@ -231,6 +231,9 @@ def ttt_attention(
     vd = [] if vd is None else list(vd.unbind(2) if isinstance(vd, torch.Tensor) else vd)
     if len(kd) != len(vd) or any(x.shape != k0.shape for x in kd + vd):
         raise ValueError(f"kd/vd must be equally many tensors shaped like k0 {tuple(k0.shape)}")
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in (q, k0, v0, *kd, *vd)}
+    if len(dtypes) > 1:  # the backward pass runs without autocast: its matmuls need one dtype
+        raise ValueError(f"q, k and v must share one dtype, got {sorted(dtypes)}")
     if doc is not None and doc.shape != (B, L):
         raise ValueError(f"doc must be [B, L] = [{B}, {L}], got {tuple(doc.shape)}")
     if doc is not None and not bool((doc != doc[:, :1]).any()):
