@@ -25,9 +25,12 @@ of memory or out of time records why, and the next one still runs):
              equal those of the fp32 CPU run.
   gpu_tests  `pytest -m gpu` over the test files that carry the marker; its counts and outcomes.
 
-Writes OUT/gpu_check.json (rewritten after each section, so a cut-off run keeps what finished)
-and OUT/gpu_check.log (everything printed, children included). Exit status 1 when a check fails
-or a section errs.
+Budgets (s, child start included): trainer 100, attention 140, extract 80, evaluator 70,
+gpu_tests 70, i.e. 460 s. A section checks its deadline between measurements and records what it
+leaves out; one still running at its budget is stopped (SIGTERM to its process group) and keeps
+what it had measured, marked partial. Writes OUT/gpu_check.json (rewritten after each section,
+so a cut-off run keeps what finished) and OUT/gpu_check.log (everything printed, children
+included). Exit status 1 when a check fails or a section errs or times out.
 
 On a lent H200 (the device tool's `run`; its image has torch, transformers, pyarrow,
 safetensors, pyyaml, pytest but no pydantic): first, here, `benchmarks/fetch_gpu_wheels.sh`
@@ -141,11 +144,10 @@ def rel_err(x, ref) -> float:
 
 
 def matmul_tflops(dev, n: int) -> float:
-    """Measured [n, n] x [n, n] rate (bf16 on CUDA, fp32 on the CPU): the ceiling MFU is read against."""
+    """Measured bf16 [n, n] x [n, n] rate on `dev`: the ceiling the trainer's MFU is also read against."""
     import torch
 
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+    a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b
     reps = 20 if dev.type == "cuda" else 3
@@ -182,10 +184,11 @@ def words(rng: random.Random, n_words: int, n: int) -> str:
     return " ".join(f"w{rng.randrange(n_words - 6)}" for _ in range(n))
 
 
-def llama_config(shape: dict, vocab: int, eos: int = 2):
+def llama_config(shape: dict, eos: int = 2):
+    """A LlamaConfig of `shape` whose special ids are word_tokenizer's."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(**{**shape, "vocab_size": vocab}, bos_token_id=1, eos_token_id=eos, pad_token_id=0)
+    return LlamaConfig(**shape, bos_token_id=1, eos_token_id=eos, pad_token_id=0)
 
 
 # ================================================================ trainer
@@ -313,10 +316,10 @@ def attention(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     def has_bwd(impl: str) -> bool:
         return cuda or impl != "flex"  # torch's flex_attention has no CPU backward (NotImplementedError)
 
-    def inputs(L: int, seed: int, dt=dtype):
+    def inputs(L: int, seed: int):
         g = torch.Generator().manual_seed(seed)
         shapes = [(1, Hq, L, D)] + [(1, Hkv, L, D)] * (2 + 2 * j)  # q, k0, v0, k_1..k_j, v_1..v_j
-        return [torch.randn(*sh, generator=g).to(dev, dt).requires_grad_() for sh in shapes]
+        return [torch.randn(*sh, generator=g).to(dev, dtype).requires_grad_() for sh in shapes]
 
     def mask_mod(L: int, doc):
         # key index kv in [0, (j+1) L): block kv // L (0 = step-0 keys), position kv % L
@@ -455,7 +458,7 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     word_tokenizer(model_dir, s["extract_words"])
     torch.manual_seed(0)
     with torch.device(dev):
-        lm = LlamaForCausalLM(llama_config(shape, shape["vocab_size"]))
+        lm = LlamaForCausalLM(llama_config(shape))
     lm.to(torch.bfloat16).save_pretrained(model_dir)
     del lm
     free(dev)
@@ -557,7 +560,7 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
         d = work / name
         tok = word_tokenizer(d, V)
         torch.manual_seed(1)
-        lm = LlamaForCausalLM(llama_config({**shape, "tie_word_embeddings": False}, V, tok.eos_token_id))
+        lm = LlamaForCausalLM(llama_config({**shape, "tie_word_embeddings": False}, tok.eos_token_id))
         if decisive:
             with torch.no_grad():
                 e = lm.model.embed_tokens.weight.normal_(0, 1)
