@@ -445,8 +445,8 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     from eagle3.config import ExtractConfig, PrepareConfig
     from eagle3.data.prepare import prepare
     from eagle3.extract import open_store, run_extract
-    from eagle3.extract.hf import HFBackend, load_base_model
-    from eagle3.extract.run import model_fingerprint
+    from eagle3.extract.hf import HFBackend
+    from eagle3.target import Target
     from extract import TimedHF  # benchmarks/extract.py
 
     class Timed(TimedHF):
@@ -471,8 +471,9 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
             f.write(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
     prepare(model_dir, prep, PrepareConfig(data=str(work / "convs.jsonl"), max_len=4096, val_fraction=0.0),
             progress=False)
-    model_fingerprint(model_dir)  # hashed once per file and cached, as on any rerun: not the stage's per-token cost
-    base = load_base_model(model_dir, dev)
+    target = Target.open(model_dir)
+    target.fingerprint()  # hashed once per file and cached, as on any rerun: not the stage's per-token cost
+    base = target.load_model(head=False, device=dev)  # what the hf backend loads: bf16 on CUDA
     N, H = shape["num_hidden_layers"], shape["hidden_size"]
     be = Timed(base, [2, N // 2, N - 3, N], batch_tokens=ExtractConfig().batch_tokens)
     warm = torch.zeros(1, 256, dtype=torch.long)
@@ -524,9 +525,9 @@ def evaluator_bf16(on_cpu: bool):
             seen.append(draft)
             super().__init__(draft)
 
-    def load_bf16(model_dir, device=None):
-        model, tok = loader(model_dir, device)
-        return model.to(torch.bfloat16), tok
+    def load_bf16(*args, **kwargs):
+        model, *rest = loader(*args, **kwargs)
+        return (model.to(torch.bfloat16), *rest)
 
     ev.DraftProposer = Recording
     if on_cpu:
@@ -541,8 +542,9 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from eagle3.evaluate import Target, evaluate, greedy_generate, load_draft, load_target, render
+    from eagle3.evaluate import TargetLM, evaluate, greedy_generate, load_draft, load_target
     from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.target import prompt_ids
     from eagle3.train.export import export
 
     cuda = dev.type == "cuda"
@@ -618,13 +620,13 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     # a lossless failure is excused only at a near-tie: the target's top-2 logits within 1/32 of the top one
     failures = []
     if r1["lossless_failures"]:
-        model, tok = load_target(t1, str(dev))
+        model, tok, eos = load_target(t1, str(dev))
         model = model.to(torch.bfloat16)  # bf16 already on CUDA; on the CPU as evaluator_bf16 loads it
         msgs = [json.loads(ln) for ln in prompts.read_text().splitlines()]
         by_id = {str(i + 1): m["prompt"] for i, m in enumerate(msgs)}
         for f in r1["lossless_failures"]:
-            prompt = render(tok, [{"role": "user", "content": by_id[f["id"]]}])
-            ref = greedy_generate(Target(model), prompt, max_new, {tok.eos_token_id})
+            prompt = prompt_ids(tok, [{"role": "user", "content": by_id[f["id"]]}])
+            ref = greedy_generate(TargetLM(model), prompt, max_new, eos)
             i = f["first_mismatch"]
             with torch.inference_mode():
                 top = model(input_ids=torch.tensor([prompt + ref[:i]], device=dev)).logits[0, -1].float().topk(2).values

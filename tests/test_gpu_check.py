@@ -40,8 +40,7 @@ def test_every_section_runs_and_records_its_figures(smoke):
     for name in SECTIONS:
         assert not result(r, name)["partial"]
     assert r["skipped"] == []  # nothing left out for time
-    failed = [f"{n}.{c}" for n, s in r["sections"].items() for c, v in s["result"]["checks"].items() if not v]
-    assert r["failed"] == failed and p.returncode == (0 if r["ok"] else 1)
+    assert r["failed"] == [] and r["ok"] is True and p.returncode == 0
     log = (out / "gpu_check.log").read_text()
     assert all(f"== {n}: ok" in log for n in SECTIONS)
 
@@ -85,8 +84,8 @@ def test_every_section_runs_and_records_its_figures(smoke):
     assert tau["tau_bf16"] == tau["tau_fp32_cpu"] > 1.0 and tau["same_outputs"] == tau["of"] == 3
     assert tau["per_position_bf16"] == tau["per_position_fp32_cpu"]
     assert tau["lossless_bf16"] is True and tau["lossless_fp32"] is True
-    assert {c: v["checks"][c] for c in ("lossless_random_target", "tau_equals_fp32_cpu", "decisive_tau_above_1")} == {
-        "lossless_random_target": True, "tau_equals_fp32_cpu": True, "decisive_tau_above_1": True}
+    assert v["checks"] == {"rotary_tables_fp32": True, "lossless_random_target": True, "tau_equals_fp32_cpu": True,
+                           "decisive_tau_above_1": True}
 
     g = result(r, "gpu_tests")  # on the CPU every gpu test skips, saying why
     assert "tests/test_train_gpu.py" in g["files"] and g["returncode"] == 0
@@ -95,9 +94,9 @@ def test_every_section_runs_and_records_its_figures(smoke):
     assert g["checks"] == {"gpu_tests_pass": True}
 
 
-@pytest.mark.xfail(strict=True, reason="eagle3.evaluate casts the draft's RoPE inv_freq to bf16 with the draft "
-                   "(issue 14 part 4 casts parameters only); remove this mark once that lands")
 def test_evaluator_keeps_the_draft_rotary_tables_fp32(smoke):
+    """The draft the evaluator runs in bf16 computes cos/sin from an fp32 inv_freq: its tables equal the
+    fp32 draft's up to bf16 rounding (2^-9 at most) at every position below 8192 (a bf16 inv_freq: off by 2)."""
     v = result(smoke[1], "evaluator")
-    assert v["rotary"]["inv_freq_dtype"] == "float32"
-    assert v["rotary"]["max_abs_diff"] <= 1e-2 and v["checks"]["rotary_tables_fp32"] is True
+    assert v["rotary"]["inv_freq_dtype"] == "float32" and v["rotary"]["positions"] == 8192
+    assert v["rotary"]["max_abs_diff"] <= 2**-8 and v["checks"]["rotary_tables_fp32"] is True
