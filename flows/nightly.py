@@ -8,36 +8,39 @@ from pathlib import Path
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from eagle3.artifacts import EvalReport, HiddenStates, PreparedData, TrainedDraft
 from eagle3.atomic import atomic_write_json
-from eagle3.config import PipelineConfig
-from flows.pipeline import run_stages
+from eagle3.config import FORM, PipelineConfig
+from eagle3.data.readers import resolve_source, source_files
+from flows.pipeline import FORM_DEFAULT, run_stages
 
 
 class NightlyConfig(BaseModel):
     """Where conversations arrive, where nightly runs and the promoted draft live, and when to promote."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = FORM  # the run form: keys as titles, limits in descriptions
 
     conversations: str = Field(
-        "data/conversations", description="a directory of conversation files (JSON, JSONL, Parquet) or a glob of "
-        "them; each night reads all of them and extracts only the samples no earlier night stored")
-    root: str = Field("runs/nightly", description="nights run in <root>/<UTC time>/<stage>; "
-                      "<root>/promoted.json names the promoted draft")
+        "", description="a directory of conversation files (JSON, JSONL, Parquet) or a glob of them; each night "
+        "reads all of them and extracts only the samples no earlier night stored. Unset, a night fails at once "
+        "(deployments/nightly.py sets it and turns the schedule on)")
+    root: str = Field("runs/nightly", description="each night runs in a subdir of root named by its UTC start "
+                      "time (YYYYmmdd-HHMMSS), one subdir per stage; root/promoted.json names the promoted draft")
     margin: float = Field(0.05, ge=0.0, le=32.0,
                           description="promote unless the new tau falls more than this below the promoted draft's tau")
     seed_run: str | None = Field(None, description="while nothing is promoted yet: a pipeline run dir whose draft "
                                  "counts as promoted (warm start, vocab map, hidden states to reuse)")
-    base: PipelineConfig = Field(default_factory=PipelineConfig,
-                                 description="target model and stage settings; run_dir, prepare.data, "
-                                 "prepare.vocab_from and train.init_from are set each night")
+    base: PipelineConfig = Field(default_factory=lambda: FORM_DEFAULT,
+                                 description="target model and stage settings (default: the demo preset); run_dir, "
+                                 "prepare.data, prepare.vocab_from and train.init_from are set each night")
 
 
 @flow(name="eagle3-nightly", log_prints=True)
 def nightly(config: NightlyConfig = NightlyConfig()) -> dict:
     """Retrain on every conversation so far, warm-started from the promoted draft; promote it if tau holds."""
+    check_source(config.conversations)  # before anything is written: a misconfigured night fails in one line
     root = Path(config.root)
     run_dir = root / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     current = promoted(config)  # None on the very first night: a cold start
@@ -79,6 +82,21 @@ def earlier_extracts(root: Path, current: dict | None) -> list[str]:
     nights = sorted(p.parent for p in root.glob("*/extract/manifest.json"))
     dirs = [str(p) for p in nights[-1:]] + ([f"{current['run_dir']}/extract"] if current else [])
     return [x for i, x in enumerate(dirs) if x not in dirs[:i] and HiddenStates.exists(x)]
+
+
+def check_source(conversations: str) -> None:
+    """Raise a one-line ValueError when the source is unset, missing or holds no conversation file with data."""
+    if not conversations.strip():
+        raise ValueError("nightly: config.conversations is not set: name a directory or glob of conversation "
+                         "files (python deployments/nightly.py --conversations DIR sets it)")
+    if any(c in conversations for c in "*?["):
+        files = [Path(f) for f in sorted(glob.glob(conversations, recursive=True)) if Path(f).is_file()]
+        if not files:
+            raise ValueError(f"nightly: conversations: nothing matches {conversations!r}")
+    else:
+        files = source_files(resolve_source(conversations))  # raises: missing, or no .json/.jsonl/.parquet
+    if not any(f.stat().st_size for f in files):
+        raise ValueError(f"nightly: conversations: {conversations!r}: its {len(files)} file(s) are all empty")
 
 
 def collect(conversations: str, run_dir: Path) -> str:

@@ -1,8 +1,14 @@
 """The eagle3 pipeline as a Prefect flow: prepare -> extract -> verifier -> train -> eval."""
 from __future__ import annotations
 
-from prefect import flow
+import time
+from pathlib import Path
+from typing import Annotated
+
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.context import FlowRunContext
+from pydantic import Field
 
 from eagle3.artifacts import EvalReport
 from eagle3.config import PipelineConfig
@@ -13,24 +19,54 @@ from tasks.extract import stats_table
 from tasks.prepare import counts_table
 from tasks.train import metrics_table
 
+# What the run form starts from, and what "Quick run" runs: the demo preset (about 35 min on a
+# 2-core CPU), each run in its own dir, never the demo's runs/demo.
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "smollm2-sharegpt.yaml"
+FORM_DEFAULT = PipelineConfig.from_file(DEMO).model_copy(update={"run_dir": "runs/ui-{date}"})
+
+
 
 @flow(name="eagle3-pipeline", log_prints=True)
-def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, str]:
-    """Train an EAGLE-3 draft for `config.model` from chat data, then measure it."""
-    d, _ = run_stages(config)
+def pipeline(config: PipelineConfig = FORM_DEFAULT, max_hours: Annotated[float, Field(ge=0)] = 0.0) -> dict[str, str]:
+    """Train an EAGLE-3 draft for the config's model from chat data, then measure it.
+
+    Args:
+        config: The whole run: the target model, the run dir and each stage's settings. The run dir may
+            hold {date}, the UTC time this run was created.
+        max_hours: Refuse to start a run whose preflight estimates more wall time than this many hours;
+            0: no limit. The estimate heads the eagle3-preflight artifact.
+    """
+    config = config.model_copy(update={"run_dir": expand(config.run_dir)})
+    d, report = run_stages(config, max_hours=max_hours)
+    get_run_logger().info("tau = %.3f at k=%d on %d prompts; speedup %s over greedy; lossless: %s; draft: %s",
+                          report.acceptance_length, report.k, report.num_prompts,
+                          "n/a" if report.speedup_vs_target is None else f"{report.speedup_vs_target:.2f}x",
+                          report.lossless, d["final"])
     return d
 
 
-def run_stages(config: PipelineConfig, reuse: list[str] | None = None) -> tuple[dict[str, str], EvalReport]:
+def expand(run_dir: str) -> str:
+    """`{date}` in a run dir: when this flow run was created, UTC (YYYYmmdd-HHMMSS). A retried flow
+    run keeps its creation time, so its retry resumes in the same dir."""
+    if "{date}" not in run_dir:
+        return run_dir
+    ctx = FlowRunContext.get()
+    created = ctx.flow_run.created.timestamp() if ctx and ctx.flow_run and ctx.flow_run.created else time.time()
+    return run_dir.replace("{date}", time.strftime("%Y%m%d-%H%M%S", time.gmtime(created)))
+
+
+def run_stages(config: PipelineConfig, reuse: list[str] | None = None,
+               max_hours: float = 0.0) -> tuple[dict[str, str], EvalReport]:
     """Preflight, the five stages in order, the run summary; `reuse`: earlier extract dirs (incremental runs)."""
     with RunLock(config.run_dir):  # two runs never write one run dir
-        return _stages(config, reuse)
+        return _stages(config, reuse, max_hours)
 
 
-def _stages(config: PipelineConfig, reuse: list[str] | None) -> tuple[dict[str, str], EvalReport]:
+def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -> tuple[dict[str, str], EvalReport]:
     model, d = str(config.model), {s: str(config.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train", "eval")}
     trc = config.trust_remote_code  # the target's custom tokenizer code (Kimi) may run
-    preflight(config)
+    get_run_logger().info("run dir %s", config.run_dir)
+    preflight(config, max_hours)
 
     # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/stages.py); else run here.
     prep_cfg = config.prepare
@@ -52,14 +88,14 @@ def _stages(config: PipelineConfig, reuse: list[str] | None) -> tuple[dict[str, 
     return {**d, "final": final}, report
 
 
-def preflight(config: PipelineConfig) -> None:
-    """Refuse to start a run that cannot finish; show the estimate as an artifact either way."""
+def preflight(config: PipelineConfig, max_hours: float = 0.0) -> None:
+    """Refuse to start a run that cannot finish, or would take longer than `max_hours`; show the estimate either way."""
     from eagle3.preflight import PreflightError, plan
 
-    p = plan(config)
-    create_markdown_artifact(f"# eagle3 preflight\n\n~{p.tokens:,} tokens\n\n{p.table()}\n\n"
-                             + ("\n".join(f"- **{x}**" for x in p.problems) or "Every remaining stage fits."),
-                             key="eagle3-preflight", description="eagle3 preflight: disk and memory estimate")
+    p = plan(config, max_hours=max_hours)
+    create_markdown_artifact(p.markdown(), key="eagle3-preflight",
+                             description="eagle3 preflight: wall time, disk and memory estimate")
+    get_run_logger().info("preflight: %s", p.time_line())
     if p.problems:
         raise PreflightError("preflight: this run cannot finish:\n- " + "\n- ".join(p.problems))
 
@@ -74,7 +110,7 @@ def summarize(config, d, prepared, hidden, verifier, trained, report) -> None:
     rows += [{"stage": "draft", "dir": f"{d['train']}/{trained.final_dir}", "fingerprint": trained.weights_sha256[:16]},
              {"stage": "report", "dir": f"{d['eval']}/{report.report_file}", "fingerprint": report.fingerprint[:16]}]
     create_table_artifact(rows, key="eagle3-run-stages", description=f"eagle3 run {config.run_dir}: stage dirs")
-    md = [f"# eagle3 run `{config.run_dir}`", "",
+    md = [f"# eagle3 run {config.run_dir}", "",
           f"**tau = {report.acceptance_length:.3f}** at k={report.k} on {report.num_prompts} prompts; "
           f"speedup {report.speedup_vs_target or 0:.2f}x over greedy; lossless: {report.lossless}.", "",
           f"Draft: `{d['train']}/{trained.final_dir}`; report: `{d['eval']}/report.json`.", ""]

@@ -1,29 +1,53 @@
 """Every stage as its own flow, so that a deployment can place it on another work pool.
 
 `run_stage` is how the pipeline and the nightly flow call a stage: in their own process by
-default (`eagle3 run`), or, when EAGLE3_GPU_DEPLOYMENT names a deployment (deployments/prefect.yaml
-sets it for the flows on the `cpu` pool), the GPU stages hop to `eagle3-<stage>/<that name>` on
-the `gpu` pool through `run_deployment`, as subflows. Both pools must see the same run dirs.
+default (`eagle3 run`), or, when EAGLE3_GPU_DEPLOYMENT names a suffix (deployments/prefect.yaml
+sets `gpu` for the flows on the `cpu` pool), the GPU stages hop to the deployment
+`eagle3-<stage>/<stage>-<suffix>` on the `gpu` pool. Both pools must see the same run dirs.
+
+A hop is a task of the calling flow, named after the stage, that starts the stage's flow run
+(`extract · <run name>`, linked as a subflow), copies its log lines into the caller's log and
+waits for it. The hop carries the stage's retry policy: a failed attempt is retried by a new
+flow run, which resumes from what the last one committed (this also covers a worker that died
+mid-stage), and the stage's run count shows on the caller's own task run.
 """
 from __future__ import annotations
 
 import os
+import time
+from typing import Any, Callable, NamedTuple
 
-from prefect import flow
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext, TaskRunContext
 from prefect.deployments import run_deployment
 from pydantic import BaseModel
 
+import tasks.evaluate as evaluate_stage
+import tasks.extract as extract_stage
+import tasks.prepare as prepare_stage
+import tasks.train as train_stage
+import tasks.verifier as verifier_stage
 from eagle3.artifacts import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, TrainConfig
-from tasks.evaluate import eval_task
-from tasks.extract import extract_task
-from tasks.prepare import prepare_task
-from tasks.train import train_task
-from tasks.verifier import verifier_task
+from eagle3.preflight import hms
+from tasks.train import UserInputError
 
-STAGES = {"prepare": (prepare_task, PreparedData), "extract": (extract_task, HiddenStates),
-          "verifier": (verifier_task, VerifierWeights), "train": (train_task, TrainedDraft),
-          "eval": (eval_task, EvalReport)}
+
+class Stage(NamedTuple):
+    task: Any                                # the Prefect task that runs the stage
+    manifest: type                           # what it writes last, and returns
+    publish: Callable[[Any, str], None]      # its artifacts, made by the flow that ran it
+    headline: Callable[[Any], str]           # its key figures in one line, for the log
+
+
+STAGES = {
+    "prepare": Stage(prepare_stage.prepare_task, PreparedData, prepare_stage.publish, prepare_stage.headline),
+    "extract": Stage(extract_stage.extract_task, HiddenStates, extract_stage.publish, extract_stage.headline),
+    "verifier": Stage(verifier_stage.verifier_task, VerifierWeights, verifier_stage.publish, verifier_stage.headline),
+    "train": Stage(train_stage.train_task, TrainedDraft, train_stage.publish, train_stage.headline),
+    "eval": Stage(evaluate_stage.eval_task, EvalReport, evaluate_stage.publish, evaluate_stage.headline),
+}
 GPU_STAGES = ("extract", "train", "eval")
 
 
@@ -33,47 +57,121 @@ def fresh(task, manifest_cls, out):
 
 
 def run_stage(name: str, out: str, wait_for=None, **inputs):
-    """Run stage `name` into `out` and return its manifest: here, or on the gpu pool when one is configured."""
-    task, manifest_cls = STAGES[name]
-    deployment = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
-    if not deployment or name not in GPU_STAGES:
-        return fresh(task, manifest_cls, out)(out=out, wait_for=wait_for, **inputs)
-    # Deployment parameters are JSON: configs go as dicts, the stage flow validates them again.
-    params = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}
-    params["out"] = out
-    run = run_deployment(f"eagle3-{name}/{deployment}", parameters=params, poll_interval=2)
-    if run.state is None or not run.state.is_completed():
-        raise RuntimeError(f"stage {name}: flow run {run.name} of eagle3-{name}/{deployment} ended "
-                           f"{run.state.name if run.state else 'without a state'}")
-    return manifest_cls.read(out)  # the stage dir is on storage both pools share
+    """Run stage `name` into `out`, log its start and end with its key figures, publish its artifacts."""
+    stage, log = STAGES[name], get_run_logger()
+    suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
+    t0 = time.monotonic()
+    if suffix and name in GPU_STAGES:
+        deployment = f"eagle3-{name}/{name}-{suffix}"
+        log.info("%s: started on deployment %s, output %s", name, deployment, out)
+        # Deployment parameters are JSON: configs go as dicts, the stage flow validates them again.
+        params = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}
+        hop_task(name)(name, deployment, {**params, "out": out}, wait_for=wait_for)
+        m, how = stage.manifest.read(out), "done"  # the stage dir is on storage both pools share
+    else:
+        log.info("%s: started, output %s", name, out)
+        state = fresh(stage.task, stage.manifest, out)(out=out, wait_for=wait_for, return_state=True, **inputs)
+        m, how = state.result(), "cached (inputs unchanged)" if state.name == "Cached" else "done"
+    stage.publish(m, out)
+    log.info("%s: %s in %s: %s", name, how, hms(time.monotonic() - t0), stage.headline(m))
+    return m
+
+
+def hop_task(name: str):
+    """The hop for stage `name`, with the stage task's own retry policy."""
+    t = STAGES[name].task
+    return hop.with_options(name=name, retries=t.retries, retry_delay_seconds=t.retry_delay_seconds,
+                            retry_condition_fn=t.retry_condition_fn)
+
+
+@task(task_run_name="{name}", cache_policy=NO_CACHE)
+def hop(name: str, deployment: str, params: dict) -> None:
+    """Run one stage as a flow run of its deployment, its log copied here; raise if it did not complete."""
+    log = get_run_logger()
+    attempt = TaskRunContext.get().task_run.run_count
+    parent = FlowRunContext.get().flow_run
+    run_name = f"{name} · {parent.name}" + (f" (try {attempt})" if attempt > 1 else "")
+    run = run_deployment(deployment, parameters=params, flow_run_name=run_name, timeout=0)
+    log.info("%s: flow run %r of %s", name, run_name, deployment)
+    run = follow(run.id, name, log)
+    if not run.state.is_completed():
+        msg = f"stage {name}: flow run {run_name!r} of {deployment} ended {run.state.name}: {run.state.message}"
+        # training refused its input: a new flow run would be refused too (tasks/train.py's retry condition)
+        raise (UserInputError if "UserInputError" in (run.state.message or "") else RuntimeError)(msg)
+
+
+def follow(run_id, name: str, log, poll: float = 2.0):
+    """Wait for flow run `run_id` to end, copying its log lines into this run's log as they arrive."""
+    from datetime import timedelta
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
+    from prefect.client.schemas.sorting import LogSort
+
+    seen, since = set(), None
+    with get_client(sync_client=True) as c:
+        def copy() -> None:
+            nonlocal since
+            # Lines reach the server in batches, not always in order: re-read a window, skip those seen.
+            flt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]),
+                            timestamp=LogFilterTimestamp(after_=since - timedelta(seconds=30)) if since else None)
+            offset = 0
+            while page := c.read_logs(flt, sort=LogSort.TIMESTAMP_ASC, limit=200, offset=offset):
+                for x in page:
+                    if x.id not in seen:
+                        seen.add(x.id)
+                        log.log(x.level, "%s | %s", name, x.message.split("\n", 1)[0])  # tracebacks stay there
+                        since = max(since or x.timestamp, x.timestamp)
+                offset += len(page)
+
+        while not (run := c.read_flow_run(run_id)).state.is_final():
+            copy()
+            time.sleep(poll)
+        time.sleep(poll)  # the stage's last lines reach the server in the next batch
+        copy()
+    return run
+
+
+def own(stage: str, out: str):
+    """The stage's task for a stage flow: refreshed if its output is gone; without retries when a
+    pipeline's hop started this flow run (the hop retries, with a new flow run, and shows the count)."""
+    task, manifest_cls = STAGES[stage].task, STAGES[stage].manifest
+    hopped = FlowRunContext.get().flow_run.parent_task_run_id is not None
+    return fresh(task.with_options(retries=0) if hopped else task, manifest_cls, out)
+
+
+def _done(stage: str, m, out: str):
+    STAGES[stage].publish(m, out)
+    get_run_logger().info("%s: %s", stage, STAGES[stage].headline(m))
+    return m
 
 
 @flow(name="eagle3-prepare")
 def prepare(model: str, out: str, cfg: PrepareConfig, trust_remote_code: bool = False) -> PreparedData:
     """Stage 1 alone: tokenize and mask conversations, build the draft vocab map."""
-    return fresh(prepare_task, PreparedData, out)(model, out, cfg, trust_remote_code)
+    return _done("prepare", own("prepare", out)(model, out, cfg, trust_remote_code), out)
 
 
 @flow(name="eagle3-extract")
 def extract(model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
             trust_remote_code: bool = False) -> HiddenStates:
     """Stage 2 alone: store the target's hidden states of a prepared dir, reusing earlier extract dirs."""
-    return fresh(extract_task, HiddenStates, out)(model, prepared, out, cfg, reuse, trust_remote_code)
+    return _done("extract", own("extract", out)(model, prepared, out, cfg, reuse, trust_remote_code), out)
 
 
 @flow(name="eagle3-verifier")
 def verifier(model: str, prepared: str, out: str) -> VerifierWeights:
     """Stage 3 alone: read the target's embedding, final norm and lm_head."""
-    return fresh(verifier_task, VerifierWeights, out)(model, prepared, out)
+    return _done("verifier", own("verifier", out)(model, prepared, out), out)
 
 
 @flow(name="eagle3-train")
 def train(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "") -> TrainedDraft:
     """Stage 4 alone: train the draft under torchrun (a retry resumes from its last checkpoint)."""
-    return fresh(train_task, TrainedDraft, out)(hidden, verifier, out, cfg, verifier_name)
+    return _done("train", own("train", out)(hidden, verifier, out, cfg, verifier_name), out)
 
 
 @flow(name="eagle3-eval")
 def evaluate(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Stage 5 alone: acceptance length, speedup and the lossless check of a draft."""
-    return fresh(eval_task, EvalReport, out)(model, draft, out, cfg, trust_remote_code)
+    return _done("eval", own("eval", out)(model, draft, out, cfg, trust_remote_code), out)

@@ -61,11 +61,23 @@ def report_markdown(m: EvalReport, out: str | Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def headline(m: EvalReport) -> str:
+    return (f"tau {m.acceptance_length:.3f} at k={m.k} on {m.num_prompts} prompts ({m.mode}), lossless "
+            f"{m.lossless}, speedup {_r(m.speedup_vs_target, 2)}x")
+
+
+def publish(m: EvalReport, out: str) -> None:
+    """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
+    create_table_artifact(results_table(m), key="eval-results", description="eagle3 eval: tau, speed, lossless")
+    create_markdown_artifact(report_markdown(m, out), key="eval-report", description="eagle3 eval: report and plot")
+
+
 @task(
     name="eval",
+    task_run_name="eval",
     cache_policy=content_policy("eval", _fingerprints),
     retries=1,
-    retry_delay_seconds=[10],
+    retry_delay_seconds=10,
 )
 def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
@@ -83,6 +95,4 @@ def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_co
                      trust_remote_code=trust_remote_code, mode=cfg.mode)
     log.info("eval (%s): tau %.3f at k=%d, lossless %s, %s tok/s, speedup %s over greedy", m.mode,
              m.acceptance_length, m.k, m.lossless, _r(m.tokens_per_second, 2), _r(m.speedup_vs_target, 3))
-    create_table_artifact(results_table(m), key="eval-results", description="eagle3 eval: tau, speed, lossless")
-    create_markdown_artifact(report_markdown(m, out), key="eval-report", description="eagle3 eval: report and plot")
     return m

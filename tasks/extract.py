@@ -49,11 +49,23 @@ def stats_table(m: HiddenStates) -> list[dict[str, Any]]:
     ]
 
 
+def headline(m: HiddenStates) -> str:
+    s = m.stats
+    return (f"{m.num_samples:,} samples, {m.num_tokens:,} tokens ({s.get('tokens_computed', 0) or 0:,} computed "
+            f"at {s.get('tokens_per_second')} tok/s), {len(m.shards)} shards")
+
+
+def publish(m: HiddenStates, out: str) -> None:
+    """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
+    create_table_artifact(stats_table(m), key="extract-stats", description="eagle3 extract: tokens, tok/s, bytes, shards")
+
+
 @task(
     name="extract",
+    task_run_name="extract",
     cache_policy=content_policy("extract", _fingerprints),
     retries=2,
-    retry_delay_seconds=[5, 30],
+    retry_delay_seconds=10,  # one number: the UI shows a list of delays as "None"
 )
 def extract_task(
     model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
@@ -84,5 +96,4 @@ def extract_task(
     log.info("extract: %d samples, %d tokens in %d shards (%s resumed); %s tok/s; %.1f bytes/token",
              m.num_samples, m.num_tokens, len(m.shards), m.stats.get("shards_skipped"),
              m.stats.get("tokens_per_second"), m.stats.get("bytes_per_token", 0.0))
-    create_table_artifact(stats_table(m), key="extract-stats", description="eagle3 extract: tokens, tok/s, bytes, shards")
     return m

@@ -48,11 +48,21 @@ def counts_table(m: PreparedData) -> list[dict[str, Any]]:
     return rows
 
 
+def headline(m: PreparedData) -> str:
+    return f"kept {m.records_kept:,} of {m.records_read:,} conversations, {m.num_tokens:,} tokens"
+
+
+def publish(m: PreparedData, out: str) -> None:
+    """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
+    create_table_artifact(counts_table(m), key="prepare-counts", description="eagle3 prepare: counts")
+
+
 @task(
     name="prepare",
+    task_run_name="prepare",
     cache_policy=content_policy("prepare", _fingerprints),
     retries=2,
-    retry_delay_seconds=[2, 10],
+    retry_delay_seconds=5,  # one number: the UI shows a list of delays as "None"
 )
 def prepare_task(model: str, out: str, cfg: PrepareConfig, trust_remote_code: bool = False) -> PreparedData:
     """Render, mask and tokenize the conversations; build the draft vocab map."""
@@ -60,5 +70,4 @@ def prepare_task(model: str, out: str, cfg: PrepareConfig, trust_remote_code: bo
     m = prepare(model, out, cfg, progress=False, trust_remote_code=trust_remote_code)
     log.info("prepare: kept %d of %d conversations, %d tokens; skipped %s",
              m.records_kept, m.records_read, m.num_tokens, m.skipped)
-    create_table_artifact(counts_table(m), key="prepare-counts", description="eagle3 prepare: counts")
     return m

@@ -65,9 +65,10 @@ def samples_markdown(m: RegeneratedData) -> str:
 
 @task(
     name="regenerate",
+    task_run_name="regenerate",
     cache_policy=content_policy("regenerate", _fingerprints),
     retries=2,
-    retry_delay_seconds=[5, 30],
+    retry_delay_seconds=10,  # one number: the UI shows a list of delays as "None"
 )
 def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig, trust_remote_code: bool = False) -> RegeneratedData:
     """Rewrite every assistant turn of `data` with the target (a retry resumes at the last committed chunk)."""

@@ -96,15 +96,23 @@ def summary_markdown(m: TrainedDraft, out: str) -> str:
             f"Metrics: `{Path(out) / 'metrics.jsonl'}`; curves: `{png}`.\n")
 
 
-@task(name="train", cache_policy=content_policy("train", _fingerprints), retries=2, retry_delay_seconds=[5, 30],
-      retry_condition_fn=_retry)
+def headline(m: TrainedDraft) -> str:
+    return f"{m.steps} steps, best simulated tau {m.best_sim_tau:.3f} at step {m.best_step}"
+
+
+def publish(m: TrainedDraft, out: str) -> None:
+    """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
+    create_table_artifact(metrics_table(m), key="train-metrics", description="eagle3 train: validation metrics")
+    create_markdown_artifact(summary_markdown(m, out), key="train-summary", description="eagle3 train: summary")
+
+
+@task(name="train", task_run_name="train", cache_policy=content_policy("train", _fingerprints), retries=2,
+      retry_delay_seconds=10, retry_condition_fn=_retry)
 def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "") -> TrainedDraft:
     """Train the draft under torchrun; a retry resumes from the last checkpoint."""
     log = get_run_logger()
     with hold_gpus():
         run_streamed(train_command(hidden, verifier, out, cfg, verifier_name), log)
     m = TrainedDraft.read(out)
-    create_table_artifact(metrics_table(m), key="train-metrics", description="eagle3 train: validation metrics")
-    create_markdown_artifact(summary_markdown(m, out), key="train-summary", description="eagle3 train: summary")
     log.info("train: %s", json.dumps({"steps": m.steps, "best_sim_tau": m.best_sim_tau}))
     return m

@@ -19,7 +19,16 @@ def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@task(name="verifier", cache_policy=content_policy("verifier", _fingerprints), retries=2, retry_delay_seconds=[2, 10])
+def headline(m: VerifierWeights) -> str:
+    return f"{m.architecture}, tied embeddings: {m.tied_embeddings}"
+
+
+def publish(m: VerifierWeights, out: str) -> None:
+    """Nothing to show beyond the log line: the verifier is three tensors of the target."""
+
+
+@task(name="verifier", task_run_name="verifier", cache_policy=content_policy("verifier", _fingerprints), retries=2,
+      retry_delay_seconds=5)
 def verifier_task(model: str, prepared: str, out: str) -> VerifierWeights:
     """Read the target's embedding, final norm and lm_head (plus the draft-vocab rows)."""
     m = extract_verifier(model, prepared, out)
