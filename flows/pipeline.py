@@ -33,8 +33,8 @@ def pipeline(config: PipelineConfig = FORM_DEFAULT, max_hours: Annotated[float, 
     Args:
         config: The whole run: the target model, the run dir and each stage's settings. The run dir may
             hold {date}, the UTC time this run was created.
-        max_hours: Refuse to start a run whose preflight estimates more wall time than this many hours;
-            0: no limit. The estimate heads the eagle3-preflight artifact.
+        max_hours: Hours of wall time a run may take as the preflight estimates it (the first line of the
+            eagle3-preflight artifact); a longer run is refused before it starts (0: no limit)
     """
     config = config.model_copy(update={"run_dir": expand(config.run_dir)})
     d, report = run_stages(config, max_hours=max_hours)

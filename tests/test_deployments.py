@@ -3,7 +3,7 @@ process workers on the `cpu` and `gpu` pools, runs triggered through the API.
 
 One test, in order (each run builds on the last):
   A. eagle3-pipeline, as deployed: the GPU stages hop to the gpu pool; extraction fails once
-     midway (EAGLE3_FAIL_ONCE on the gpu worker), Prefect retries it and the retry resumes;
+     midway (EAGLE3_FAIL_ONCE on the gpu worker), the hop task retries it as a new flow run, which resumes;
   B. the same parameters again: every stage is served from the cache;
   C. eagle3-nightly seeded with run A, one conversation added: only that sample is extracted,
      training warm-starts from A's draft with A's vocab map, and the promotion decision is an artifact.
@@ -90,7 +90,7 @@ def service(request, tmp_path_factory):
         procs.append(deploy)
         marker = home / "extract-failed-once"
         for pool, extra in (("cpu", {}), ("gpu", {"EAGLE3_FAIL_ONCE": f"extract:{marker}"})):
-            procs.append(_start([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--name", f"test-{pool}"],
+            procs.append(_start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", f"test-{pool}"],
                                 {**env, **extra}, home / f"worker-{pool}.log", cwd=REPO))
         assert deploy.wait(180) == 0, (home / "deploy.log").read_text()[-4000:]
         print(f"\nserver up in {t_server:.1f} s; pools, limit, workers and deployments in {time.time() - t0:.1f} s")
@@ -204,8 +204,9 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     assert form["minimum"] == 16 and "truncate" in form["description"]  # the UI's run form: bounds + descriptions
     night = client.read_deployment_by_name("eagle3-nightly/eagle3-nightly")
     assert (night.schedules[0].schedule.cron, night.schedules[0].schedule.timezone) == ("0 2 * * *", "Europe/Berlin")
+    assert not night.schedules[0].active  # deployed paused: deployments/nightly.py turns it on
     for stage in ("extract", "train", "eval"):
-        gpu = client.read_deployment_by_name(f"eagle3-{stage}/gpu")
+        gpu = client.read_deployment_by_name(f"eagle3-{stage}/{stage}-gpu")
         assert gpu.work_pool_name == "gpu" and gpu.job_variables["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
 
     # A: as deployed. GPU stages hop to the gpu pool; extraction fails once midway and is retried.
@@ -213,11 +214,14 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     run_a = trigger(client, "eagle3-pipeline/eagle3-pipeline", params)
     assert run_a.state.is_completed(), logs(client, run_a)[-4000:]
     assert run_a.work_pool_name == "cpu"
-    children = subflows(client, run_a)
-    by_flow = {client.read_flow(c.flow_id).name: c for c in children}
-    assert set(by_flow) == {"eagle3-extract", "eagle3-train", "eagle3-eval"}
-    assert {c.work_pool_name for c in children} == {"gpu"} and {c.state.name for c in children} == {"Completed"}
-    runs_a = task_runs(client, run_a, *children)
+    # Each hop is a task of run A named after its stage, its flow run named after stage and run;
+    # the failed extraction was retried by a second flow run, which resumed.
+    children = {c.name: c for c in subflows(client, run_a)}
+    first, second = f"extract · {run_a.name}", f"extract · {run_a.name} (try 2)"
+    assert {n: c.state.name for n, c in children.items()} == {
+        first: "Failed", second: "Completed", f"train · {run_a.name}": "Completed", f"eval · {run_a.name}": "Completed"}
+    assert {c.work_pool_name for c in children.values()} == {"gpu"}
+    runs_a = task_runs(client, run_a)
     assert sorted(runs_a) == sorted(STAGES) and {t.state.name for t in runs_a.values()} == {"Completed"}
     assert runs_a["extract"].run_count == 2, "the injected failure must show as one retry"
     assert {s: runs_a[s].run_count for s in STAGES if s != "extract"} == dict.fromkeys(["prepare", "verifier",
@@ -228,7 +232,7 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     assert len(hidden.shards) >= 6 and 1 <= hidden.stats["shards_skipped"] < len(hidden.shards)
     assert hidden.stats["shards_written"] == len(hidden.shards) - hidden.stats["shards_skipped"]
     assert hidden.stats["tokens_computed"] < hidden.num_tokens
-    assert "injected transient failure" in logs(client, by_flow["eagle3-extract"])
+    assert "injected transient failure" in logs(client, children[first])
 
     # A's artifacts, read back through the API: the run summary (in the flow) and the stages' own.
     arts = artifacts(client, run_a)
@@ -240,10 +244,11 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     assert f"**tau = {report.acceptance_length:.3f}**" in arts["eagle3-run-summary"].data
     assert f"| shards resumed (already committed) | {hidden.stats['shards_skipped']} |" in \
         arts["eagle3-run-summary"].data
-    extract_arts = artifacts(client, by_flow["eagle3-extract"])
+    extract_arts = artifacts(client, children[second])
     stats = {r["what"]: r["value"] for r in json.loads(extract_arts["extract-stats"].data)}
     assert stats["shards resumed (already committed)"] == hidden.stats["shards_skipped"]
-    assert "eval-results" in artifacts(client, by_flow["eagle3-eval"])
+    assert "eval-results" in artifacts(client, children[f"eval · {run_a.name}"])
+    assert {"extract-stats", "train-summary", "eval-report"} <= set(arts)  # every stage's artifacts on run A too
     t_a = time.time() - t0
 
     # B: unchanged inputs, stages in this run's process: every stage is served from the cache,

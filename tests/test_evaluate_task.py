@@ -13,7 +13,7 @@ def test_eval_task_writes_report_and_artifacts_and_caches(tiny_llama_dir, tmp_pa
     from prefect.client.orchestration import get_client
     from test_evaluate import random_draft, write_native
 
-    from tasks.evaluate import eval_task
+    from tasks.evaluate import eval_task, publish
 
     draft = write_native(random_draft(tiny_llama_dir, seed=7), tmp_path / "final")
     p = tmp_path / "p.jsonl"
@@ -23,6 +23,7 @@ def test_eval_task_writes_report_and_artifacts_and_caches(tiny_llama_dir, tmp_pa
     @flow
     def f():
         s = eval_task(str(tiny_llama_dir), str(draft), str(tmp_path / "eval"), cfg, return_state=True)
+        publish(s.result(), str(tmp_path / "eval"))  # the flow that ran the stage makes its artifacts
         return s.name, s.result()
 
     n = torch.get_num_threads()
