@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 ASSETS ?= assets/smollm2
 CONFIG ?= examples/smollm2-sharegpt.yaml
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench browser clean
 
 setup: $(VENV)/.installed
 
@@ -25,8 +25,16 @@ $(ASSETS)/config.json: | $(VENV)/.installed
 demo: $(VENV)/.installed $(ASSETS)/config.json
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/eagle3 run --config $(CONFIG)
 
-test: $(VENV)/.installed
+# CI (CI=true) installs the browser first, so tests/test_ui.py always runs there; elsewhere it
+# skips, saying why, unless `make browser` was run.
+test: $(VENV)/.installed $(if $(CI),browser)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q
+
+# Debian's Chromium for the browser test (Playwright drives it; it downloads no browser of its own).
+browser:
+	@command -v chromium >/dev/null && echo "chromium: $$(command -v chromium)" || { \
+	  [ "$$(id -u)" = 0 ] || { echo "make browser: run as root (apt-get install chromium)"; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
 bench: $(VENV)/.installed $(ASSETS)/config.json
 	$(PY) benchmarks/prepare.py

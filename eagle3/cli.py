@@ -104,7 +104,7 @@ def _cmd_run(a) -> None:
         from eagle3.preflight import plan
 
         p = plan(cfg)
-        print(f"preflight for {a.config}: ~{p.tokens:,} tokens\n{p.table()}")
+        print(f"preflight for {a.config}: {p.time_line()}\n~{p.tokens:,} tokens\n{p.table()}")
         print("\n".join(f"PROBLEM: {x}" for x in p.problems) or "OK: every remaining stage fits")
         return
     # With no PREFECT_API_URL Prefect starts a temporary local server; it needs ~18 s cold

@@ -303,6 +303,28 @@ def test_custom_run_from_the_ui_retries_artifacts_and_paused_nightly(ui, page, t
         tip = pg.get_by_role("tooltip").first
         tip.wait_for()
         assert tip.inner_text().strip() == "(Paused) At 02:00 AM (Europe/Berlin)"
+        # A night started anyway fails at once, saying why in one line.
+        with temporary_settings({PREFECT_API_URL: f"{url}/api"}), get_client(sync_client=True) as c:
+            night = c.read_deployment_by_name("eagle3-nightly/eagle3-nightly")
+            r = c.create_flow_run_from_deployment(night.id)
+            deadline = time.time() + 120
+            while not (r := c.read_flow_run(r.id)).state.is_final():
+                assert time.time() < deadline, f"nightly run still {r.state.name}"
+                time.sleep(1)
+        assert r.state.is_failed() and "nightly: config.conversations is not set" in r.state.message
+        # The README's step turns it on with its source, and off again.
+        out = subprocess.run([sys.executable, "deployments/nightly.py", "--conversations", str(data)], cwd=REPO,
+                             env=ui["env"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert re.search(r"active, cron '0 2 \* \* \*' in Europe/Berlin; next night starts \S+ 02:00 Europe/Berlin",
+                         out.stdout), out.stdout
+        with temporary_settings({PREFECT_API_URL: f"{url}/api"}), get_client(sync_client=True) as c:
+            night = c.read_deployment_by_name("eagle3-nightly/eagle3-nightly")
+            assert night.schedules[0].active and night.parameters["config"]["conversations"] == str(data)
+            off = subprocess.run([sys.executable, "deployments/nightly.py", "--pause"], cwd=REPO, env=ui["env"],
+                                 capture_output=True, text=True, timeout=120)
+            assert off.returncode == 0 and "paused" in off.stdout, off.stdout + off.stderr
+            assert not c.read_deployment_by_name("eagle3-nightly/eagle3-nightly").schedules[0].active
 
         # V1 renders descriptions as markdown: nothing swallowed as HTML, no asterisks turned italic.
         pg.goto(f"{url}/deployments/deployment/{dep.id}/run")
