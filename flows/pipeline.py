@@ -110,7 +110,7 @@ def summarize(config, d, prepared, hidden, verifier, trained, report) -> None:
     rows += [{"stage": "draft", "dir": f"{d['train']}/{trained.final_dir}", "fingerprint": trained.weights_sha256[:16]},
              {"stage": "report", "dir": f"{d['eval']}/{report.report_file}", "fingerprint": report.fingerprint[:16]}]
     create_table_artifact(rows, key="eagle3-run-stages", description=f"eagle3 run {config.run_dir}: stage dirs")
-    md = [f"# eagle3 run {config.run_dir}", "",
+    md = ["# eagle3 run", "", f"Run dir: `{config.run_dir}`", "",
           f"**tau = {report.acceptance_length:.3f}** at k={report.k} on {report.num_prompts} prompts; "
           f"speedup {report.speedup_vs_target or 0:.2f}x over greedy; lossless: {report.lossless}.", "",
           f"Draft: `{d['train']}/{trained.final_dir}`; report: `{d['eval']}/report.json`.", ""]
