@@ -109,7 +109,7 @@ def client(service):
         yield c
 
 
-def trigger(client, deployment: str, parameters: dict, job_variables: dict | None = None, timeout: float = 150):
+def trigger(client, deployment: str, parameters: dict, job_variables: dict | None = None, timeout: float = 360):
     """Start a deployment's run through the API and wait for its final state."""
     dep = client.read_deployment_by_name(deployment)
     run = client.create_flow_run_from_deployment(dep.id, parameters=parameters, job_variables=job_variables)
