@@ -26,9 +26,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from eagle3.artifacts import EvalReport, HiddenStates, PreparedData, TrainedDraft  # noqa: E402
+from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft  # noqa: E402
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig  # noqa: E402
-from eagle3.extract.store import open_store  # noqa: E402
+from eagle3.store import open_store  # noqa: E402
 from eagle3.target import Target  # noqa: E402
 from families import FAMILIES, build, corpus, reference_lm  # noqa: E402
 
@@ -73,7 +73,7 @@ def main() -> None:
             )
             path = tmp / f"{fam}.json"
             path.write_text(cfg.model_dump_json())
-            cmd = [sys.executable, "-m", "eagle3.cli", "run", "--config", str(path)]
+            cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(path)]
             env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect" / fam), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
             env.pop("PREFECT_API_URL", None)
             t0 = time.perf_counter()

@@ -10,7 +10,7 @@ of memory or out of time records why, and the next one still runs):
              peak, and vs a bf16 matmul measured in the same run), and the two runs' losses,
              which must agree step by step.
   attention  one TTT attention step at j=6 (k=7 key blocks), 32 query / 8 kv heads x 128, bf16:
-             ours (eagle3.train.attention) vs flex_attention with a block mask vs SDPA with a
+             ours (eagle3.attention) vs flex_attention with a block mask vs SDPA with a
              dense L x 7L mask, at L = 4096 / 8192 / 16384: forward and backward time, and the
              memory each adds (masks included); an OOM is recorded as such. At a small L with
              three documents, the outputs and all input gradients of the three are compared to
@@ -18,7 +18,7 @@ of memory or out of time records why, and the next one still runs):
   extract    the hf extraction stage (run_extract) on a random-init Llama of Llama-3.2-1B's shape:
              the stage's tok/s over bare forwards of the same batches in the same run
              (benchmarks/extract.py's TimedHF), and stored bytes per token over 4*H*2.
-  evaluator  `eagle3 eval`'s own code path (eagle3.evaluate.evaluate) with a bf16 target and
+  evaluator  `eagle3 eval`'s own code path (eagle3.eval.run.evaluate) with a bf16 target and
              draft: the draft's rotary cos/sin tables equal the fp32 ones; lossless on a random
              target (a mismatch counts only if it is not a near-tie of the target's logits); and
              on a target + draft whose every argmax is decisive by construction, tau and outputs
@@ -304,7 +304,7 @@ def attention(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from eagle3.train.attention import ttt_attention
+    from eagle3.attention import ttt_attention
 
     cuda = dev.type == "cuda"
     Hq, Hkv, D = s["attn_heads"]
@@ -444,7 +444,8 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
 
     from eagle3.config import ExtractConfig, PrepareConfig
     from eagle3.data.prepare import prepare
-    from eagle3.extract import open_store, run_extract
+    from eagle3.extract import run_extract
+    from eagle3.store import open_store
     from eagle3.extract.hf import HFBackend
     from eagle3.target import Target
     from extract import TimedHF  # benchmarks/extract.py
@@ -507,7 +508,7 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
 # ================================================================ evaluator
 @contextlib.contextmanager
 def evaluator_bf16(on_cpu: bool):
-    """Run eagle3.evaluate.evaluate as on a GPU; yields the list of drafts its DraftProposer received.
+    """Run eagle3.eval.run.evaluate as on a GPU; yields the list of drafts its DraftProposer received.
 
     On CUDA the evaluator loads the target in bf16 and casts the draft to it by itself. On the CPU
     (--smoke) its target loader is wrapped to return the target in bf16, so the evaluator's own
@@ -515,7 +516,7 @@ def evaluator_bf16(on_cpu: bool):
     """
     import torch
 
-    import eagle3.evaluate as ev
+    import eagle3.eval.run as ev
 
     seen: list = []
     proposer, loader = ev.DraftProposer, ev.load_target
@@ -542,10 +543,13 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from eagle3.evaluate import TargetLM, evaluate, greedy_generate, load_draft, load_target
+    from eagle3.eval.decode import TargetLM, greedy_generate
+    from eagle3.config import EvalConfig
+    from eagle3.eval.run import evaluate, load_target
+    from eagle3.formats import load_draft
     from eagle3.model import DraftConfig, Eagle3Draft
     from eagle3.target import prompt_ids
-    from eagle3.train.export import export
+    from eagle3.formats import export
 
     cuda = dev.type == "cuda"
     shape, k, max_new = s["eval_target"], s["eval_k"], s["eval_max_new"]
@@ -597,7 +601,8 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
         """evaluate() as `eagle3 eval` runs it; returns (report, samples, the draft its proposer got)."""
         where = work / name
         with (evaluator_bf16(on_cpu=not cuda) if bf16 else contextlib.nullcontext([])) as seen:
-            evaluate(tgt, drf, prompts, k, where, max_new_tokens=max_new, device=str(dev) if bf16 else "cpu")
+            evaluate(tgt, drf, where, EvalConfig(prompts=str(prompts), k=k, max_new_tokens=max_new),
+                     device=str(dev) if bf16 else "cpu")
         report = json.loads((where / "report.json").read_text())
         samples = [json.loads(ln) for ln in (where / "samples.jsonl").read_text().splitlines()]
         return report, samples, (seen[0] if seen else None)

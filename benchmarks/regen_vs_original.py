@@ -53,11 +53,11 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     from eagle3.assets import materialize_smollm2
-    from eagle3.config import ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
+    from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
     from eagle3.data.prepare import prepare
-    from eagle3.evaluate import evaluate
+    from eagle3.eval.run import evaluate
     from eagle3.extract import run_extract
-    from eagle3.regenerate import regenerate
+    from eagle3.regenerate.run import regenerate
     from eagle3.train.loop import train
     from eagle3.verifier import extract_verifier
 
@@ -82,8 +82,8 @@ def main() -> None:
         cfg = TrainConfig(ttt_steps=3, max_steps=a.steps, epochs=100, pack_tokens=2048, lr=1e-3, warmup_steps=5,
                           val_every=a.steps, ckpt_every=10_000, threads=a.threads)
         m = train(cfg, d / "extract", d / "verifier", d / "train", progress=False)
-        rep = evaluate(model, d / "train" / "final", "mt-bench", 3, d / "eval", max_new_tokens=64,
-                       limit=a.eval_prompts, threads=a.threads)
+        rep = evaluate(model, d / "train" / "final", d / "eval",
+                       EvalConfig(k=3, max_new_tokens=64, limit=a.eval_prompts, threads=a.threads))
         results[name] = {"sim_tau_val": round(m.best_sim_tau, 4), "val_acc": [round(x, 4) for x in m.val["acc"]],
                          "mtbench_tau_k3": round(rep.acceptance_length, 4), "lossless": rep.lossless,
                          "speedup": round(rep.speedup_vs_target, 3), "steps": m.steps,

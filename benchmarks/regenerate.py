@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO))
 
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import RegenConfig  # noqa: E402
-from eagle3.regenerate import OUT_FILE, load_hf, regenerate  # noqa: E402
+from eagle3.regenerate.run import OUT_FILE, regenerate  # noqa: E402
+from eagle3.regenerate.hf import load_hf  # noqa: E402
 from eagle3.target import Target  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = a.data
         if data == "mt-bench":  # short prompts: MT-Bench's two user turns, with placeholder answers to replace
-            from eagle3.evaluate import mtbench_path
+            from eagle3.eval.prompts import mtbench_path
 
             data = str(Path(tmp) / "mt_bench.jsonl")
             with open(mtbench_path()) as f, open(data, "w") as g:

@@ -9,6 +9,9 @@ backticks (V2 shows them raw); `form_schema` adds each field's limits to its des
 """
 from __future__ import annotations
 
+import argparse
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -226,16 +229,7 @@ class PipelineConfig(_Cfg):
     @classmethod
     def from_file(cls, path: str | Path) -> "PipelineConfig":
         """Load YAML or JSON. Relative `model`/`run_dir`/`data` stay relative to the CWD."""
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML/JSON: {' '.join(str(e).split())}") from e  # one line
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-        return cls.model_validate(data)
+        return cls.model_validate(load_section(path, ""))
 
 
 class EvalConfig(_Cfg):
@@ -253,6 +247,9 @@ class EvalConfig(_Cfg):
     mode: Literal["live", "replay"] = Field(
         "live", description="live: decode and time speculative vs plain greedy, check losslessness; replay: exact "
         "tau from the target's cached greedy answers and one TTT pass of the draft (no speed, no lossless check)",
+    )
+    replay_cache: str | None = Field(
+        None, description="replay: dir of the cached greedy answers and aux states (default $EAGLE3_CACHE_DIR/replay)"
     )
     gpu_memory_utilization: float = Field(
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
@@ -308,3 +305,72 @@ class RegenConfig(_Cfg):
 
 
 PipelineConfig.model_rebuild()
+M = typing.TypeVar("M", bound=BaseModel)
+
+
+def load_section(path: str | Path, section: str) -> dict[str, Any]:
+    """A YAML/JSON file's mapping, or its `section` when the file is a whole pipeline config."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML/JSON: {' '.join(str(e).split())}") from e  # one line
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data.get(section, data) if isinstance(data.get(section), dict) else data
+
+
+# ---------------------------------------------------------------- command-line flags
+def _flag_type(ann: Any) -> tuple[Any, bool]:
+    """(the field's type without None, whether None is allowed)."""
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else ann), True
+    return ann, False
+
+
+def _comma_list(elem: type):
+    def parse(text: str) -> list:
+        try:
+            return [elem(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {elem.__name__} values, got {text!r}") from None
+
+    return parse
+
+
+def add_flags(p: argparse.ArgumentParser, model: type[BaseModel], aliases: dict[str, str] | None = None,
+              skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of a config: `--field-name`, the field's description as help (the same text the
+    Prefect form shows), the config's own default. Booleans get `--x` / `--no-x`, Literals their choices,
+    lists comma-separated values. Unset flags stay None: `from_flags` then keeps the config's default."""
+    for name, f in model.model_fields.items():
+        ann, _ = _flag_type(f.annotation)
+        if name in skip or (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            continue
+        flags = ["--" + name.replace("_", "-")] + ([aliases[name]] if aliases and name in aliases else [])
+        default = f.default_factory() if f.default_factory is not None else f.default
+        help_text = (f.description or "").replace("%", "%%") + ("" if default is None else f" (default: {default})")
+        kw: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
+        origin, args = typing.get_origin(ann), typing.get_args(ann)
+        if ann is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif origin is Literal:
+            kw["choices"] = list(args)
+        elif origin in (list, tuple):
+            kw.update(type=_comma_list(args[0]), metavar="A,B,...")
+        elif ann in (int, float, str):
+            kw["type"] = ann
+        else:
+            continue
+        p.add_argument(*flags, **kw)
+
+
+def from_flags(model: type[M], a: argparse.Namespace, base: dict[str, Any] | None = None) -> M:
+    """The config `a`'s flags describe: `base` (e.g. a config file's values), overridden by every flag given."""
+    given = {k: v for k, v in vars(a).items() if k in model.model_fields and v is not None}
+    return model.model_validate({**(base or {}), **given})
+

@@ -431,7 +431,7 @@ class Eagle3Draft(nn.Module):
         combine(aux); step j's is step j-1's next-state at the same position. Ids past the row
         end are 0; the loss masks those positions. Returns `steps` tensors [B, L, H].
         """
-        from eagle3.train.attention import doc_ids_from_position_ids, ttt_attention
+        from eagle3.attention import doc_ids_from_position_ids, ttt_attention
 
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")

@@ -100,7 +100,7 @@ def target_plan(cfg: PipelineConfig) -> TargetPlan:
 
 def expected_tokens(cfg: PipelineConfig) -> int:
     """Tokens the prepare stage writes: from its manifest if it ran, else estimated from the source."""
-    from eagle3.artifacts import PreparedData
+    from eagle3.manifests import PreparedData
 
     done = cfg.stage_dir("prepare")
     if PreparedData.exists(done):
@@ -164,8 +164,8 @@ def _human(b: float) -> str:
 def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | None = None,
          max_hours: float = 0.0) -> Plan:
     """Estimate every stage not yet finished; list the problems (does not raise)."""
-    from eagle3.artifacts import HiddenStates, PreparedData, TrainedDraft, VerifierWeights
-    from eagle3.extract.store import bytes_per_token
+    from eagle3.manifests import HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+    from eagle3.store import bytes_per_token
 
     t = target_plan(cfg)
     tokens = expected_tokens(cfg)
@@ -243,7 +243,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
 
 def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, tr_s: float) -> dict[str, float]:
     """Wall time of each stage not yet finished, in pipeline order (extract and train computed by `plan`)."""
-    from eagle3.artifacts import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+    from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 
     size = (t.active_parameters or t.num_parameters) / SMOLLM2_PARAMS  # CPU rates scale with the target's size
     vd = cfg.prepare.draft_vocab or min(DEFAULT_DRAFT_VOCAB, t.vocab_size)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.artifacts import PreparedData, TensorInfo, VerifierWeights
+from eagle3.manifests import PreparedData, TensorInfo, VerifierWeights
 from eagle3.atomic import atomic_path, sha256_file, sha256_json
 from eagle3.target import INDEX, Target
 
@@ -63,11 +63,22 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> to
     return ids
 
 
+def inputs(model_dir: str | Path, prepared_dir: str | Path) -> dict[str, str]:
+    """What the verifier tensors depend on: the target's and the prepared data's content. The stage's
+    "already done" check and the Prefect task's cache key are both this dict."""
+    return {"model": Target.open(model_dir).fingerprint(), "prepared": PreparedData.read(prepared_dir).fingerprint}
+
+
 def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: str | Path) -> VerifierWeights:
     """Write `verifier.safetensors` + manifest for a target model and a prepared draft vocab."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
+    fp = inputs(model_dir, prepared_dir)
+    if VerifierWeights.exists(out_dir):
+        done = VerifierWeights.read(out_dir)
+        if done.inputs == fp and (out_dir / OUT_FILE).is_file() and sha256_file(out_dir / OUT_FILE) == done.sha256:
+            return done
     target = Target.open(model_dir)
     names = target.weight_names()  # where the text model's tensors sit (VLM wrappers resolved)
     d2t, t2d, prep = load_vocab_map(prepared_dir)
@@ -114,7 +125,7 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
     }
     man = VerifierWeights(
         config={"model": str(target.path), "prepared": str(prepared_dir)},
-        inputs={"prepared": prep.fingerprint, "model": sha256_json(source_files)},
+        inputs=fp,
         model_dir=str(target.path),
         architecture=target.architecture,
         file=OUT_FILE,

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from pydantic import Field
 
-from eagle3.artifacts import EvalReport
+from eagle3.manifests import EvalReport
 from eagle3.config import PipelineConfig
 from eagle3.lock import RunLock
 from flows.stages import run_stage
@@ -27,7 +27,7 @@ FORM_DEFAULT = PipelineConfig.from_file(DEMO).model_copy(update={"run_dir": "run
 
 
 @flow(name="eagle3-pipeline", log_prints=True)
-def pipeline(config: PipelineConfig = FORM_DEFAULT, max_hours: Annotated[float, Field(ge=0)] = 0.0) -> dict[str, str]:
+def pipeline(config: PipelineConfig = FORM_DEFAULT, max_hours: Annotated[float, Field(ge=0)] = 0.0) -> dict[str, Any]:
     """Train an EAGLE-3 draft for the config's model from chat data, then measure it.
 
     Args:
@@ -37,12 +37,12 @@ def pipeline(config: PipelineConfig = FORM_DEFAULT, max_hours: Annotated[float, 
             eagle3-preflight artifact); a longer run is refused before it starts (0: no limit)
     """
     config = config.model_copy(update={"run_dir": expand(config.run_dir)})
-    d, report = run_stages(config, max_hours=max_hours)
+    dirs, report = run_stages(config, max_hours=max_hours)
     get_run_logger().info("tau = %.3f at k=%d on %d prompts; speedup %s over greedy; lossless: %s; draft: %s",
                           report.acceptance_length, report.k, report.num_prompts,
                           "n/a" if report.speedup_vs_target is None else f"{report.speedup_vs_target:.2f}x",
-                          report.lossless, d["final"])
-    return d
+                          report.lossless, dirs["final"])
+    return {**dirs, "report": report}  # the stage dirs, `final` (the draft vLLM serves) and the EvalReport
 
 
 def expand(run_dir: str) -> str:
@@ -63,7 +63,7 @@ def run_stages(config: PipelineConfig, reuse: list[str] | None = None,
 
 
 def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -> tuple[dict[str, str], EvalReport]:
-    model, d = str(config.model), {s: str(config.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train", "eval")}
+    model, dirs = str(config.model), {s: str(config.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train", "eval")}
     trc = config.trust_remote_code  # the target's custom tokenizer code (Kimi) may run
     get_run_logger().info("run dir %s", config.run_dir)
     preflight(config, max_hours)
@@ -74,18 +74,18 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
         from tasks.regenerate import regenerate_stage
 
         _, prep_cfg = regenerate_stage(config)
-    prepared = run_stage("prepare", d["prepare"], model=model, cfg=prep_cfg, trust_remote_code=trc)
-    hidden = run_stage("extract", d["extract"], model=model, prepared=d["prepare"], cfg=config.extract,
+    prepared = run_stage("prepare", dirs["prepare"], model=model, cfg=prep_cfg, trust_remote_code=trc)
+    hidden = run_stage("extract", dirs["extract"], model=model, prepared=dirs["prepare"], cfg=config.extract,
                        reuse=reuse, trust_remote_code=trc, wait_for=[prepared])
-    verifier = run_stage("verifier", d["verifier"], model=model, prepared=d["prepare"], wait_for=[prepared])
-    trained = run_stage("train", d["train"], hidden=d["extract"], verifier=d["verifier"], cfg=config.train,
+    verifier = run_stage("verifier", dirs["verifier"], model=model, prepared=dirs["prepare"], wait_for=[prepared])
+    trained = run_stage("train", dirs["train"], hidden=dirs["extract"], verifier=dirs["verifier"], cfg=config.train,
                         verifier_name=model, wait_for=[hidden, verifier])
-    final = f"{d['train']}/{trained.final_dir}"
-    report = run_stage("eval", d["eval"], model=model, draft=final, cfg=config.eval, trust_remote_code=trc)
+    final = f"{dirs['train']}/{trained.final_dir}"
+    report = run_stage("eval", dirs["eval"], model=model, draft=final, cfg=config.eval, trust_remote_code=trc)
 
     # Per-run summary lives in the flow: a cached task does not re-create its artifacts.
-    summarize(config, d, prepared, hidden, verifier, trained, report)
-    return {**d, "final": final}, report
+    summarize(config, dirs, prepared, hidden, verifier, trained, report)
+    return {**dirs, "final": final}, report
 
 
 def preflight(config: PipelineConfig, max_hours: float = 0.0) -> None:
@@ -100,20 +100,20 @@ def preflight(config: PipelineConfig, max_hours: float = 0.0) -> None:
         raise PreflightError("preflight: this run cannot finish:\n- " + "\n- ".join(p.problems))
 
 
-def summarize(config, d, prepared, hidden, verifier, trained, report) -> None:
+def summarize(config, dirs, prepared, hidden, verifier, trained, report) -> None:
     """The run's artifacts: a table of every stage dir, the draft and the report; the figures in markdown."""
     rows = [
-        {"stage": s, "dir": d[s], "fingerprint": m.fingerprint[:16]}
+        {"stage": s, "dir": dirs[s], "fingerprint": m.fingerprint[:16]}
         for s, m in (("prepare", prepared), ("extract", hidden), ("verifier", verifier), ("train", trained),
                      ("eval", report))
     ]
-    rows += [{"stage": "draft", "dir": f"{d['train']}/{trained.final_dir}", "fingerprint": trained.weights_sha256[:16]},
-             {"stage": "report", "dir": f"{d['eval']}/{report.report_file}", "fingerprint": report.fingerprint[:16]}]
+    rows += [{"stage": "draft", "dir": f"{dirs['train']}/{trained.final_dir}", "fingerprint": trained.weights_sha256[:16]},
+             {"stage": "report", "dir": f"{dirs['eval']}/{report.report_file}", "fingerprint": report.fingerprint[:16]}]
     create_table_artifact(rows, key="eagle3-run-stages", description=f"eagle3 run {config.run_dir}: stage dirs")
     md = ["# eagle3 run", "", f"Run dir: `{config.run_dir}`", "",
           f"**tau = {report.acceptance_length:.3f}** at k={report.k} on {report.num_prompts} prompts; "
           f"speedup {report.speedup_vs_target or 0:.2f}x over greedy; lossless: {report.lossless}.", "",
-          f"Draft: `{d['train']}/{trained.final_dir}`; report: `{d['eval']}/report.json`.", ""]
+          f"Draft: `{dirs['train']}/{trained.final_dir}`; report: `{dirs['eval']}/report.json`.", ""]
     for title, table in (("prepare", counts_table(prepared)), ("extract", stats_table(hidden)),
                          ("train", metrics_table(trained)), ("eval", results_table(report))):
         md += [f"## {title}", "", "| what | value |", "|---|---|"]

@@ -8,22 +8,15 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from eagle3.artifacts import EvalReport
+from eagle3.manifests import EvalReport
 from eagle3.config import EvalConfig
-from eagle3.evaluate import dir_fingerprint, prompts_fingerprint
-from eagle3.target import Target
+from eagle3.eval.run import evaluate, inputs
 from tasks._cache import content_policy
 
 
-def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
-    cfg: EvalConfig = inputs["cfg"]
-    return {
-        "format": EvalReport.format_version,
-        "model": Target.open(inputs["model"]).fingerprint(),
-        "draft": dir_fingerprint(inputs["draft"]),
-        "prompts": prompts_fingerprint(cfg.prompts),
-        "config": cfg.model_dump(mode="json", exclude={"prompts"}),
-    }
+def _key(i: dict[str, Any]) -> dict[str, Any]:
+    return {"format": EvalReport.format_version,
+            **inputs(i["model"], i["draft"], i["cfg"], i.get("trust_remote_code", False))}
 
 
 def _r(x: float | None, nd: int) -> float | str:
@@ -75,24 +68,15 @@ def publish(m: EvalReport, out: str) -> None:
 @task(
     name="eval",
     task_run_name="eval",
-    cache_policy=content_policy("eval", _fingerprints),
+    cache_policy=content_policy("eval", _key),
     retries=1,
     retry_delay_seconds=10,
 )
 def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
     log = get_run_logger()
-    if cfg.backend == "vllm":
-        from eagle3.eval_vllm import evaluate_vllm
-
-        m = evaluate_vllm(model, draft, cfg.prompts, cfg.k, out, cfg.max_new_tokens, cfg.limit,
-                          cfg.gpu_memory_utilization, trust_remote_code=trust_remote_code)
-    else:
-        from eagle3.evaluate import evaluate
-
-        m = evaluate(model, draft, cfg.prompts, cfg.k, out, cfg.max_new_tokens, cfg.limit,
-                     progress=lambda i, n: log.info("eval: %d/%d prompts", i, n), threads=cfg.threads,
-                     trust_remote_code=trust_remote_code, mode=cfg.mode)
+    m = evaluate(model, draft, out, cfg, progress=lambda i, n: log.info("eval: %d/%d prompts", i, n),
+                 trust_remote_code=trust_remote_code)
     log.info("eval (%s): tau %.3f at k=%d, lossless %s, %s tok/s, speedup %s over greedy", m.mode,
              m.acceptance_length, m.k, m.lossless, _r(m.tokens_per_second, 2), _r(m.speedup_vs_target, 3))
     return m

@@ -7,29 +7,18 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from eagle3.artifacts import HiddenStates, PreparedData
+from eagle3.manifests import HiddenStates
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
-from eagle3.extract.store import FORMAT_VERSION
-from eagle3.target import Target
+from eagle3.extract.run import inputs
 from tasks._cache import content_policy
 from tasks._faults import fail_once
 from tasks._gpus import hold_gpus
 
 
-def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
-    cfg: ExtractConfig = inputs["cfg"]
-    target = Target.open(inputs["model"])
-    return {
-        "format": [HiddenStates.format_version, FORMAT_VERSION],
-        "prepared": PreparedData.read(inputs["prepared"]).fingerprint,
-        "model": target.fingerprint(),
-        "layer_ids": target.layer_ids(cfg.aux_layer_ids),
-        # what else changes the stored bytes; backend / batch / TP settings do not
-        "storage": cfg.storage,
-        "splits": cfg.splits,
-        "shard_bytes": cfg.shard_bytes,
-    }
+def _key(i: dict[str, Any]) -> dict[str, Any]:
+    return {"format": HiddenStates.format_version,
+            **inputs(i["model"], i["prepared"], i["cfg"], i.get("trust_remote_code", False))}
 
 
 def stats_table(m: HiddenStates) -> list[dict[str, Any]]:
@@ -63,7 +52,7 @@ def publish(m: HiddenStates, out: str) -> None:
 @task(
     name="extract",
     task_run_name="extract",
-    cache_policy=content_policy("extract", _fingerprints),
+    cache_policy=content_policy("extract", _key),
     retries=2,
     retry_delay_seconds=10,  # one number: the UI shows a list of delays as "None"
 )

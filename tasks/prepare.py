@@ -6,30 +6,15 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
-from eagle3.artifacts import PreparedData
-from eagle3.atomic import sha256_file
+from eagle3.manifests import PreparedData
 from eagle3.config import PrepareConfig
-from eagle3.data.prepare import prepare
-from eagle3.data.readers import fingerprint_source, resolve_source
-from eagle3.target import Target
+from eagle3.data.prepare import inputs, prepare
 from tasks._cache import content_policy
 
 
-def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
-    cfg: PrepareConfig = inputs["cfg"]
-    return {
-        "format": PreparedData.format_version,
-        "source": fingerprint_source(resolve_source(cfg.data)),
-        "tokenizer": Target.open(inputs["model"]).tokenizer_fingerprint(),
-        "config": cfg.model_dump(mode="json", exclude={"data", "vocab_from"}),
-        "vocab_from": vocab_fingerprint(cfg.vocab_from),
-    }
+def _key(i: dict[str, Any]) -> dict[str, Any]:
+    return {"format": PreparedData.format_version, **inputs(i["model"], i["cfg"], i.get("trust_remote_code", False))}
 
-
-def vocab_fingerprint(vocab_from: str | None) -> str | None:
-    from eagle3.data.prepare import _vocab_path
-
-    return sha256_file(_vocab_path(vocab_from)) if vocab_from else None
 
 
 def counts_table(m: PreparedData) -> list[dict[str, Any]]:
@@ -60,7 +45,7 @@ def publish(m: PreparedData, out: str) -> None:
 @task(
     name="prepare",
     task_run_name="prepare",
-    cache_policy=content_policy("prepare", _fingerprints),
+    cache_policy=content_policy("prepare", _key),
     retries=2,
     retry_delay_seconds=5,  # one number: the UI shows a list of delays as "None"
 )

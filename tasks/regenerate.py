@@ -13,24 +13,15 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from eagle3.artifacts import RegeneratedData
+from eagle3.manifests import RegeneratedData
 from eagle3.config import PipelineConfig, PrepareConfig, RegenConfig
-from eagle3.data.readers import fingerprint_source, resolve_source
-from eagle3.regenerate import FORMAT, regenerate
-from eagle3.target import Target
+from eagle3.regenerate.run import FORMAT, inputs, regenerate
 from tasks._cache import content_policy
 
 
-def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
-    cfg: RegenConfig = inputs["cfg"]
-    return {
-        "format": [RegeneratedData.format_version, FORMAT],
-        "source": fingerprint_source(resolve_source(inputs["data"])),
-        "model": Target.open(inputs["model"]).generation_fingerprint(),
-        # batch/chunk/TP/memory settings change how fast, not what is written
-        "config": cfg.model_dump(mode="json", exclude={"chunk_records", "batch_size", "batch_tokens",
-                                                       "tensor_parallel_size", "gpu_memory_utilization"}),
-    }
+def _key(i: dict[str, Any]) -> dict[str, Any]:
+    return {"format": [RegeneratedData.format_version, FORMAT],
+            **inputs(i["model"], i["data"], i["cfg"], i.get("trust_remote_code", False))}
 
 
 def stats_table(m: RegeneratedData) -> list[dict[str, Any]]:
@@ -66,7 +57,7 @@ def samples_markdown(m: RegeneratedData) -> str:
 @task(
     name="regenerate",
     task_run_name="regenerate",
-    cache_policy=content_policy("regenerate", _fingerprints),
+    cache_policy=content_policy("regenerate", _key),
     retries=2,
     retry_delay_seconds=10,  # one number: the UI shows a list of delays as "None"
 )

@@ -14,34 +14,16 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from eagle3.artifacts import HiddenStates, TrainedDraft, VerifierWeights
-from eagle3.atomic import sha256_file
+from eagle3.manifests import TrainedDraft
 from eagle3.config import TrainConfig
-from eagle3.train.__main__ import torchrun_command
+from eagle3.train.__main__ import command
+from eagle3.train.loop import inputs
 from tasks._cache import content_policy
 from tasks._gpus import hold_gpus
 
 
-def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "format": TrainedDraft.format_version,
-        "hidden": HiddenStates.read(inputs["hidden"]).fingerprint,
-        "verifier": VerifierWeights.read(inputs["verifier"]).fingerprint,
-        "config": inputs["cfg"].model_dump(mode="json"),
-        "init_from": sha256_file(Path(inputs["cfg"].init_from) / "model.safetensors") if inputs["cfg"].init_from else None,
-    }
-
-
-def train_command(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "") -> list[str]:
-    cfg_path = Path(out) / "train_config.json"
-    cfg_path.parent.mkdir(parents=True, exist_ok=True)
-    cfg_path.write_text(cfg.model_dump_json(indent=1))
-    # The stage dir follows its inputs: checkpoints of other inputs are stale, not a conflict.
-    argv = ["--hidden", hidden, "--verifier", verifier, "--out", out, "--config", str(cfg_path),
-            "--restart-on-mismatch"]
-    if verifier_name:
-        argv += ["--verifier-name", verifier_name]
-    return torchrun_command(cfg.nproc_per_node, argv)
+def _key(i: dict[str, Any]) -> dict[str, Any]:
+    return {"format": TrainedDraft.format_version, **inputs(i["hidden"], i["verifier"], i["cfg"])}
 
 
 def run_streamed(cmd: list[str], log) -> None:
@@ -106,13 +88,14 @@ def publish(m: TrainedDraft, out: str) -> None:
     create_markdown_artifact(summary_markdown(m, out), key="train-summary", description="eagle3 train: summary")
 
 
-@task(name="train", task_run_name="train", cache_policy=content_policy("train", _fingerprints), retries=2,
+@task(name="train", task_run_name="train", cache_policy=content_policy("train", _key), retries=2,
       retry_delay_seconds=10, retry_condition_fn=_retry)
 def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "") -> TrainedDraft:
     """Train the draft under torchrun; a retry resumes from the last checkpoint."""
     log = get_run_logger()
     with hold_gpus():
-        run_streamed(train_command(hidden, verifier, out, cfg, verifier_name), log)
+        # the stage dir follows its inputs: checkpoints of other inputs are stale, not a conflict
+        run_streamed(command(hidden, verifier, out, cfg, verifier_name, restart_on_mismatch=True), log)
     m = TrainedDraft.read(out)
     log.info("train: %s", json.dumps({"steps": m.steps, "best_sim_tau": m.best_sim_tau}))
     return m

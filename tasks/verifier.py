@@ -5,18 +5,13 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from eagle3.artifacts import PreparedData, VerifierWeights
-from eagle3.target import Target
-from eagle3.verifier import extract_verifier
+from eagle3.manifests import VerifierWeights
+from eagle3.verifier import extract_verifier, inputs
 from tasks._cache import content_policy
 
 
-def _fingerprints(inputs: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "format": VerifierWeights.format_version,
-        "model": Target.open(inputs["model"]).fingerprint(),
-        "prepared": PreparedData.read(inputs["prepared"]).fingerprint,
-    }
+def _key(i: dict[str, Any]) -> dict[str, Any]:
+    return {"format": VerifierWeights.format_version, **inputs(i["model"], i["prepared"])}
 
 
 def headline(m: VerifierWeights) -> str:
@@ -27,7 +22,7 @@ def publish(m: VerifierWeights, out: str) -> None:
     """Nothing to show beyond the log line: the verifier is three tensors of the target."""
 
 
-@task(name="verifier", task_run_name="verifier", cache_policy=content_policy("verifier", _fingerprints), retries=2,
+@task(name="verifier", task_run_name="verifier", cache_policy=content_policy("verifier", _key), retries=2,
       retry_delay_seconds=5)
 def verifier_task(model: str, prepared: str, out: str) -> VerifierWeights:
     """Read the target's embedding, final norm and lm_head (plus the draft-vocab rows)."""

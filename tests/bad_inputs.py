@@ -133,7 +133,7 @@ def prep_variant(w: Path, b: Base, edit: Callable[[Path], None]) -> Path:
 
 
 def d2t_mismatch(w: Path, b: Base) -> list[str]:
-    from eagle3.artifacts import PreparedData
+    from eagle3.manifests import PreparedData
     from eagle3.atomic import sha256_file
 
     def edit(p: Path) -> None:
@@ -184,7 +184,7 @@ def foreign_init(w: Path, b: Base) -> list[str]:
 
 
 def other_target_verifier(w: Path, b: Base) -> list[str]:
-    from eagle3.artifacts import VerifierWeights
+    from eagle3.manifests import VerifierWeights
 
     v = w / "ver"
     shutil.copytree(b.ver, v)
@@ -330,13 +330,13 @@ def _out(argv: list[str]) -> Path | None:
 
 
 def run_cli(argv: list[str], subprocess_mode: bool) -> tuple[int, str]:
-    """(exit status, stderr) of `eagle3 ARGV`: a real process, or `eagle3.cli.main` in this one (an
+    """(exit status, stderr) of `eagle3 ARGV`: a real process, or `flows.cli.main` in this one (an
     exception escaping main counts as a traceback)."""
     if subprocess_mode:
-        r = subprocess.run([sys.executable, "-m", "eagle3.cli", *argv], capture_output=True, text=True, cwd=REPO,
+        r = subprocess.run([sys.executable, "-m", "flows.cli", *argv], capture_output=True, text=True, cwd=REPO,
                            timeout=600)
         return r.returncode, r.stderr
-    from eagle3.cli import main
+    from flows.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.artifacts import PreparedData, ShardInfo
+from eagle3.manifests import PreparedData, ShardInfo
 from eagle3.atomic import sha256_file
 
 TEXTS = [

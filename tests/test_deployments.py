@@ -189,7 +189,7 @@ def tiny(tmp_path, tiny_llama_dir):
 
 
 def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
-    from eagle3.artifacts import EvalReport, HiddenStates, PreparedData, TrainedDraft
+    from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
 
     cfg, data = tiny
     t0 = time.time()
@@ -301,7 +301,7 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
 
 def test_nightly_sources_reuse_and_promoted_draft(tmp_path):
     """The nightly flow's plumbing, without a server: glob sources, which dirs it reuses, which draft is promoted."""
-    from eagle3.artifacts import EvalReport, HiddenStates, TrainedDraft
+    from eagle3.manifests import EvalReport, HiddenStates, TrainedDraft
     from eagle3.atomic import atomic_write_json
     from flows.nightly import NightlyConfig, collect, earlier_extracts, promoted
 

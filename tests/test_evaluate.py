@@ -8,18 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3.evaluate import (
-    Conversation,
-    DraftProposer,
-    Stats,
-    TargetLM,
-    load_draft,
-    load_prompts,
-    measure,
-    read_jsonl_prompts,
-    run_conversation,
-    speculative_generate,
-)
+from eagle3.eval.prompts import Conversation, load_prompts, read_jsonl_prompts
+from eagle3.eval.decode import DraftProposer, Stats, TargetLM, measure, run_conversation, speculative_generate
+from eagle3.formats import load_draft
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.target import prompt_ids
 
@@ -337,7 +328,7 @@ def test_prepared_val_split_prompts(tiny_llama_dir, tmp_path):
 
 # ---------------------------------------------------------------- CLI, report, manifest
 def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
-    from eagle3.artifacts import EvalReport
+    from eagle3.manifests import EvalReport
     from eagle3.cli import main
 
     model, _ = target
@@ -368,8 +359,8 @@ def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
 
 
 def test_loads_what_our_exporter_writes(target, tiny_llama_dir, tmp_path):
-    """The trainer's export (eagle3.train.export), both formats, loads back bit for bit."""
-    from eagle3.train.export import export
+    """The trainer's export (eagle3.formats.export), both formats, loads back bit for bit."""
+    from eagle3.formats import export
 
     model, _ = target
     emb = model.get_input_embeddings().weight
@@ -387,7 +378,7 @@ def test_bf16_draft_keeps_fp32_rotary_tables(tiny_llama_dir):
     are). A plain `.to(bf16)` also casts `inv_freq` and moves the angles by radians at long distances."""
     import copy
 
-    from eagle3.evaluate import cast_draft
+    from eagle3.eval.run import cast_draft
 
     d = random_draft(tiny_llama_dir)
     pos = torch.tensor([[0, 1, 17, 1000, 4000]])

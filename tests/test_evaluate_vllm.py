@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from eagle3.eval_vllm import spec_counters, stats_between
+from eagle3.config import EvalConfig
+from eagle3.eval.vllm import spec_counters, stats_between
 
 
 # The record types of vllm/v1/metrics/reader.py (same fields), as `LLM.get_metrics()` returns them.
@@ -78,7 +79,8 @@ def fake_vllm(tiny_llama_dir):
     unregisters the old metrics, so the registry holds the newest engine's counters)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3.evaluate import DraftProposer, Stats, TargetLM, greedy_generate, load_draft, speculative_generate
+    from eagle3.eval.decode import DraftProposer, Stats, TargetLM, greedy_generate, speculative_generate
+    from eagle3.formats import load_draft
     from eagle3.target import Target
 
     registry: dict[str, object] = {}
@@ -133,9 +135,8 @@ def fake_vllm(tiny_llama_dir):
 def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypatch):
     from test_evaluate import random_draft, write_native
 
-    from eagle3.artifacts import EvalReport
-    from eagle3.eval_vllm import evaluate_vllm
-    from eagle3.evaluate import evaluate
+    from eagle3.manifests import EvalReport
+    from eagle3.eval.run import evaluate
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # latency-bound tiny model on a shared box (see test_evaluate.one_thread)
@@ -144,8 +145,8 @@ def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypa
         draft = write_native(random_draft(tiny_llama_dir, seed=5), tmp_path / "final")
         p = tmp_path / "p.jsonl"
         p.write_text(json.dumps({"prompt": "Hi!"}) + "\n" + json.dumps({"turns": ["One.", "Two."]}) + "\n")
-        v = evaluate_vllm(tiny_llama_dir, draft, p, 2, tmp_path / "v", max_new_tokens=10)
-        h = evaluate(tiny_llama_dir, draft, p, 2, tmp_path / "h", max_new_tokens=10)
+        v = evaluate(tiny_llama_dir, draft, tmp_path / "v", EvalConfig(prompts=str(p), k=2, max_new_tokens=10, backend="vllm"))
+        h = evaluate(tiny_llama_dir, draft, tmp_path / "h", EvalConfig(prompts=str(p), k=2, max_new_tokens=10))
     finally:
         torch.set_num_threads(n)
     assert v.backend == "vllm" and h.backend == "hf" and v.lossless and h.lossless
@@ -162,16 +163,16 @@ def test_real_vllm_eval(smollm2_dir, tmp_path):
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("vLLM eval needs a GPU")
-    from eagle3.eval_vllm import evaluate_vllm
+    from eagle3.eval.run import evaluate
     from eagle3.model import DraftConfig, Eagle3Draft
-    from eagle3.train.export import export
+    from eagle3.formats import export
 
     d = Eagle3Draft(DraftConfig.from_target(smollm2_dir, 32000))
     tid = torch.randperm(d.config.vocab_size)[:32000].sort().values
     d.d2t.copy_(tid - torch.arange(32000))
     d.t2d[tid] = True
     draft = export(d.state_dict(), d.config, 3, tmp_path / "final")
-    m = evaluate_vllm(smollm2_dir, draft, "mt-bench", 3, tmp_path / "eval", max_new_tokens=32, limit=2)
+    m = evaluate(smollm2_dir, draft, tmp_path / "eval", EvalConfig(k=3, max_new_tokens=32, limit=2, backend="vllm"))
     assert 1.0 <= m.acceptance_length <= 4.0 and m.num_drafts > 0
     assert len(m.per_position_acceptance) == 3
 
@@ -181,8 +182,7 @@ def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, m
     """The vLLM eval path on a padded-vocab Qwen3 and a Kimi-K2.5 layout (wrapper, custom tokenizer) equals the hf path."""
     from test_evaluate import random_draft, write_native
 
-    from eagle3.eval_vllm import evaluate_vllm
-    from eagle3.evaluate import evaluate
+    from eagle3.eval.run import evaluate
 
     model, trust = family_dirs[fam], fam == "kimi-k2.5"
     n = torch.get_num_threads()
@@ -192,8 +192,9 @@ def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, m
         draft = write_native(random_draft(model, draft_vocab=256, seed=2), tmp_path / "final")
         p = tmp_path / "p.jsonl"
         p.write_text(json.dumps({"turns": ["One.", "Two."]}) + "\n")
-        v = evaluate_vllm(model, draft, p, 2, tmp_path / "v", max_new_tokens=8, trust_remote_code=trust)
-        h = evaluate(model, draft, p, 2, tmp_path / "h", max_new_tokens=8, trust_remote_code=trust)
+        cfg = EvalConfig(prompts=str(p), k=2, max_new_tokens=8)
+        v = evaluate(model, draft, tmp_path / "v", cfg.model_copy(update={"backend": "vllm"}), trust_remote_code=trust)
+        h = evaluate(model, draft, tmp_path / "h", cfg, trust_remote_code=trust)
     finally:
         torch.set_num_threads(n)
     assert v.lossless and h.lossless and v.num_turns == 2

@@ -9,7 +9,8 @@ from extract_helpers import random_samples, write_prepared
 
 import fake_vllm
 from eagle3.config import ExtractConfig
-from eagle3.extract import open_store, run_extract
+from eagle3.extract import run_extract
+from eagle3.store import open_store
 from eagle3.extract.vllm import llm_kwargs
 
 

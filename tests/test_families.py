@@ -127,7 +127,7 @@ def run_cli(cfg: PipelineConfig, tmp: Path) -> dict:
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "OMP_NUM_THREADS": "1"}
     env.pop("PREFECT_API_URL", None)
-    r = subprocess.run([sys.executable, "-m", "eagle3.cli", "run", "--config", str(path)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(path)], capture_output=True,
                        text=True, cwd=REPO, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "tau (acceptance length) =" in r.stdout and "serve it: vllm serve" in r.stdout
@@ -144,10 +144,11 @@ def run_flow(cfg: PipelineConfig) -> dict:
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_family_end_to_end(family_dirs, fam, tmp_path, request):
-    from eagle3.artifacts import EvalReport, HiddenStates, PreparedData
-    from eagle3.evaluate import load_draft, measure
-    from eagle3.extract.store import open_store
-    from eagle3.train.export import WEIGHTS
+    from eagle3.manifests import EvalReport, HiddenStates, PreparedData
+    from eagle3.formats import load_draft
+    from eagle3.eval.decode import measure
+    from eagle3.store import open_store
+    from eagle3.formats import WEIGHTS
     from eagle3.verifier import OUT_FILE
     from test_evaluate import Oracle
 
@@ -208,7 +209,7 @@ def test_family_end_to_end(family_dirs, fam, tmp_path, request):
     # a lossless evaluation on MT-Bench, and an oracle draft accepted at every position
     r = EvalReport.read(d["eval"])
     assert r.lossless is True and r.num_prompts == 2 and 1.0 <= r.acceptance_length <= 4.0
-    from eagle3.evaluate import load_prompts
+    from eagle3.eval.prompts import load_prompts
 
     convs, _ = load_prompts("mt-bench", 1)
     tok, eos = t.tokenizer(), t.stop_ids()
@@ -221,7 +222,7 @@ def test_family_end_to_end(family_dirs, fam, tmp_path, request):
 def test_regenerate_with_each_family(family_dirs, fam, tmp_path):
     """The target answers in its own template and stops on its own end-of-turn ids (hf backend)."""
     from eagle3.config import RegenConfig
-    from eagle3.regenerate import read_records, regenerate
+    from eagle3.regenerate.run import read_records, regenerate
 
     src = tmp_path / "chats.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},

@@ -11,9 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle3.artifacts import PreparedData
+from eagle3.manifests import PreparedData
 from eagle3.config import PrepareConfig
-from eagle3.data.prepare import prepare, read_split
+from eagle3.data.prepare import prepare
+from eagle3.data.shards import read_split
 from eagle3.target import Target
 from eagle3.data.vocab import load_maps
 

@@ -14,16 +14,9 @@ import torch
 
 from eagle3.config import PrepareConfig, RegenConfig
 from eagle3.target import Target, prompt_ids
-from eagle3.regenerate import (
-    OUT_FILE,
-    PREVIOUS,
-    PROGRESS,
-    Gen,
-    clean_answer,
-    load_hf,
-    read_records,
-    regenerate,
-)
+from eagle3.regenerate.run import OUT_FILE, PREVIOUS, PROGRESS, clean_answer, read_records, regenerate
+from eagle3.generate import Gen
+from eagle3.regenerate.hf import load_hf
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -331,7 +324,7 @@ def test_prepare_reads_the_output_and_cli(tmp_path, tiny_llama_dir, capsys):
 
 
 def test_batches_respect_rows_and_padded_tokens():
-    from eagle3.regenerate import HFGenerator
+    from eagle3.generate import HFGenerator
 
     g = HFGenerator.__new__(HFGenerator)
     g.cfg = RegenConfig(batch_size=3, batch_tokens=300)

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3.config import RegenConfig
-from eagle3.regenerate import Gen, read_records, regenerate
+from eagle3.generate import Gen
+from eagle3.regenerate.run import read_records, regenerate
 from tests import fake_vllm_generate as fake
 from tests.test_regenerate import check_equal_to_target, one_thread, write_source  # noqa: F401 (autouse fixture)
 
@@ -33,7 +34,7 @@ def test_vllm_backend_equals_hf_backend_and_target_greedy(tmp_path, tiny_llama_d
 
 
 def test_vllm_outputs_stop_tokens_order_and_seeds(tiny_llama_dir, monkeypatch):
-    from eagle3.regenerate_vllm import VllmGenerator
+    from eagle3.regenerate.vllm import VllmGenerator
 
     fake.install(monkeypatch)
     eos = {2, 7}

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from eagle3.config import ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
-from eagle3.evaluate import Conversation, DraftProposer, Stats, TargetLM, load_draft, load_prompts, speculative_generate
+from eagle3.eval.prompts import Conversation, load_prompts
+from eagle3.eval.decode import DraftProposer, Stats, TargetLM, speculative_generate
+from eagle3.formats import load_draft
 from eagle3.eval.replay import Turn, aux_states, bootstrap_ci, continuations, proposals, replay, walk
 from eagle3.target import Target
 
@@ -21,7 +23,7 @@ def head(tmp_path_factory, tiny_llama_dir):
     """A draft that agrees with the tiny target often: trained on the target's own greedy answers."""
     from eagle3.data.prepare import prepare
     from eagle3.extract import run_extract
-    from eagle3.regenerate import regenerate
+    from eagle3.regenerate.run import regenerate
     from eagle3.train.loop import train
     from eagle3.verifier import extract_verifier
 
@@ -76,7 +78,7 @@ def test_replay_equals_live_round_by_round(setup):
 
 
 def test_replay_report_matches_live_measure_and_caches(setup):
-    from eagle3.evaluate import measure
+    from eagle3.eval.decode import measure
 
     t, model, draft, convs, cache = setup
     eos = t.stop_ids()

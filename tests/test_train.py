@@ -155,7 +155,7 @@ def test_native_export_is_what_vllm_loads(trained, tiny_llama_dir):
 def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
     """Build a draft from final/config.json alone + the target embedding; its logits equal the
     best checkpoint's, bitwise."""
-    from eagle3.extract import open_store
+    from eagle3.store import open_store
     from eagle3.model import DraftConfig, Eagle3Draft
     from eagle3.train.checkpoint import BEST, CKPT_DIR, load
 
@@ -191,7 +191,7 @@ def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
 def test_speculators_export_layout(trained, tmp_path):
     from eagle3.model import DraftConfig
     from eagle3.train.checkpoint import BEST, CKPT_DIR, load
-    from eagle3.train.export import export
+    from eagle3.formats import export
 
     out, m = trained
     c = DraftConfig(**m.draft_config)
@@ -209,7 +209,7 @@ def test_speculators_export_layout(trained, tmp_path):
 def test_warm_start_loads_weights_and_keeps_the_vocab(trained, stages, tmp_path):
     from eagle3.train.checkpoint import BEST, CKPT_DIR
     from eagle3.train.loop import build_draft
-    from eagle3.artifacts import HiddenStates
+    from eagle3.manifests import HiddenStates
 
     out, _ = trained
     cfg = TrainConfig(ttt_steps=2, pack_tokens=192, threads=1, init_from=str(out / "final"))
@@ -238,7 +238,7 @@ def test_mismatched_checkpoint_is_refused(trained, stages):
 
 
 def test_top_cache_equals_recomputing(stages):
-    from eagle3.extract import open_store
+    from eagle3.store import open_store
     from eagle3.train.data import collate
     from eagle3.train.loop import TopCache
     from eagle3.train.loss import TargetHead

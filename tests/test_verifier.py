@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.artifacts import PreparedData, VerifierWeights, VocabMapInfo
+from eagle3.manifests import PreparedData, VerifierWeights, VocabMapInfo
 from eagle3.atomic import sha256_file
 from eagle3.cli import main
 from eagle3.model import DraftConfig, Eagle3Draft

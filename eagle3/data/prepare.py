@@ -13,16 +13,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.artifacts import MANIFEST, PreparedData, ShardInfo, VocabMapInfo
+from eagle3.manifests import MANIFEST, PreparedData, ShardInfo, VocabMapInfo
 from eagle3.atomic import atomic_path, clean_temp_files, sha256_file
 from eagle3.config import DEFAULT_DRAFT_VOCAB, PrepareConfig
 from eagle3.data.normalize import Skip, normalize
+from eagle3.data.shards import SCHEMA
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
 from eagle3.data.template import ChatRenderer, Rendered
 from eagle3.data.vocab import build_maps, load_maps, save_maps, select_draft_tokens
@@ -31,12 +32,6 @@ from eagle3.target import Target
 log = logging.getLogger("eagle3.prepare")
 
 VOCAB_FILE = "vocab_map.safetensors"
-SCHEMA = pa.schema([
-    ("sample_id", pa.string()),
-    ("record_id", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-])
 _EXAMPLES = 3  # record ids kept per skip reason, for the report
 
 
@@ -105,6 +100,18 @@ def _progress(total: int | None, enabled: bool):
     return tqdm(total=total, unit="conv", desc="prepare", disable=not enabled, dynamic_ncols=True, mininterval=1.0)
 
 
+def inputs(model: str | Path, cfg: PrepareConfig, trust_remote_code: bool = False) -> dict[str, Any]:
+    """What the prepared data depends on: the source's, the tokenizer's and template's and a reused vocab
+    map's content, and the settings (the source and vocab map by content, not path). The stage's "already
+    done" check and the Prefect task's cache key are both this dict."""
+    return {
+        "source": fingerprint_source(resolve_source(cfg.data)),
+        "tokenizer": Target.open(model, trust_remote_code).tokenizer_fingerprint(),
+        "vocab_from": sha256_file(_vocab_path(cfg.vocab_from)) if cfg.vocab_from else None,
+        "config": cfg.model_dump(mode="json", exclude={"data", "vocab_from"}),
+    }
+
+
 def prepare(
     model: str | Path,
     out: str | Path,
@@ -117,14 +124,12 @@ def prepare(
     model, out = Path(model), Path(out)
     target = Target.open(model, trust_remote_code)
     src = resolve_source(cfg.data)
-    inputs = {"source": fingerprint_source(src), "tokenizer": target.tokenizer_fingerprint()}
-    if cfg.vocab_from:
-        inputs["vocab_from"] = sha256_file(_vocab_path(cfg.vocab_from))
+    fp = inputs(model, cfg, trust_remote_code)
     config = cfg.model_dump(mode="json")
     if (out / MANIFEST).is_file():
         try:
             done = PreparedData.read(out)
-            if done.inputs == inputs and done.config == config:
+            if done.inputs == fp:
                 log.info("prepare: %s already holds this exact result; nothing to do", out)
                 return done
         except ValueError:
@@ -264,11 +269,11 @@ def prepare(
 
     m = PreparedData(
         config=config,
-        inputs=inputs,
+        inputs=fp,
         model_dir=str(model),
-        tokenizer_fingerprint=inputs["tokenizer"],
+        tokenizer_fingerprint=fp["tokenizer"],
         source=str(src),
-        source_fingerprint=inputs["source"],
+        source_fingerprint=fp["source"],
         splits={s: v.infos for s, v in shards.items()},
         records_read=n_read,
         records_kept=n_kept,
@@ -292,15 +297,3 @@ def prepare(
     for note in stats.notes:
         log.warning("prepare: %s", note)
     return m
-
-
-def read_split(prepared: str | Path, split: str) -> pa.Table:
-    """All samples of one split as one Arrow table (verifies shard checksums)."""
-    m = PreparedData.read(prepared)
-    tables = []
-    for info in m.splits.get(split, []):
-        path = Path(prepared) / info.file
-        if sha256_file(path) != info.sha256:
-            raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
-        tables.append(pq.read_table(path))
-    return pa.concat_tables(tables) if tables else SCHEMA.empty_table()

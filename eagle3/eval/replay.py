@@ -1,7 +1,7 @@
 """Replay evaluation: the exact acceptance length of greedy chain speculative decoding, without decoding.
 
 With greedy verification the output of speculative decoding is the target's greedy output, so every
-round of a live run (`eagle3.evaluate.speculative_generate`) can be reconstructed offline:
+round of a live run (`eagle3.eval.decode.speculative_generate`) can be reconstructed offline:
 
 1. The target's greedy continuation S of every prompt, every turn, is generated once (batched,
    KV cache) and cached by content: the target (weights, tokenizer, template, stop ids), the
@@ -66,8 +66,8 @@ def continuations(target, model: torch.nn.Module, convs: Sequence, max_new: int,
     """The target's greedy answer to every turn of every conversation (cached). Returns the turns, the
     cache dir and the seconds spent generating (0 when cached)."""
     from eagle3.config import RegenConfig
-    from eagle3.evaluate import finish_answer
-    from eagle3.regenerate import HFGenerator
+    from eagle3.eval.decode import finish_answer
+    from eagle3.generate import HFGenerator
     from eagle3.target import prompt_ids
 
     p = next(model.parameters())
@@ -122,18 +122,16 @@ def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[i
     """aux [T, 3, H] (bf16) of every turn's sequence, from one target forward each (cached in `d` per aux ids)."""
     from safetensors.torch import load_file, save_file
 
-    from eagle3.extract.hf import HFBackend
+    from eagle3.capture import hidden_states
 
     path = d / f"aux-{'-'.join(map(str, aux_ids))}.safetensors"
     if path.is_file():
         t = load_file(str(path))
         return [t[str(i)] for i in range(len(turns))], 0.0
-    n = len(base.layers)
-    be = HFBackend(base, [*aux_ids, n], batch_tokens)
     t0 = time.perf_counter()
     out: dict[str, torch.Tensor] = {}
-    for sid, _, h in be.extract([(str(i), torch.tensor(t.ids)) for i, t in enumerate(turns)]):
-        out[sid] = h[:, :-1].to(torch.bfloat16).contiguous()  # [T, 3, H]; the final state is not needed
+    for i, h in hidden_states(base, [torch.tensor(t.ids) for t in turns], aux_ids, batch_tokens):
+        out[str(i)] = h.to(torch.bfloat16).contiguous()  # [T, 3, H]
     with atomic_path(path) as tmp:
         save_file(out, str(tmp))
     return [out[str(i)] for i in range(len(turns))], time.perf_counter() - t0
@@ -213,8 +211,8 @@ def bootstrap_ci(per_conv: list[tuple[int, int]], n: int = 2000, seed: int = 0) 
 
 def replay(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], convs: Sequence, k: int, max_new: int,
            eos: set[int]) -> dict[str, Any]:
-    """The report dict of `eagle3.evaluate.measure`, from replayed rounds (speed and lossless: None)."""
-    from eagle3.evaluate import Stats, summarize
+    """The report dict of `eagle3.eval.decode.measure`, from replayed rounds (speed and lossless: None)."""
+    from eagle3.eval.decode import Stats, summarize
 
     if any(k > len(t.ids) for t in turns):
         raise ValueError("a cached sequence is shorter than k")

@@ -1,10 +1,8 @@
 """The transformers backend: one forward pass of the base model, aux + final states caught by hooks.
 
-Layer ids follow vLLM (REFERENCE §2): id k < N is the residual stream *entering* decoder layer k
-(HF's `hidden_states[k]`), id N is the last layer's output *before* the final norm (HF's last
-`hidden_states` entry has the norm applied, so it is not id N). A forward pre-hook on layer k
-sees exactly the stream entering it; a pre-hook on `norm` sees the pre-norm output. Nothing else
-is kept (no N+1 hidden-state list) and the LM head is never loaded, so no logits are computed.
+Layer ids follow vLLM (id k < N: the stream entering decoder layer k; id N: the last layer's
+output before the final norm), caught by `eagle3.capture.catch`. Nothing else is kept (no N+1
+hidden-state list) and the LM head is never loaded, so no logits are computed.
 
 The model is `Target.load_model(head=False)`: the decoder stack, built by transformers' own
 classes from the text config (a VLM's wrapper and vision tower are never loaded).
@@ -19,28 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from eagle3.capture import catch, padded_batches
 from eagle3.faults import point
 
 Sample = tuple[str, torch.Tensor]  # (sample_id, input_ids [T])
-
-
-def batches_by_length(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Group indices (longest first) so that len(group) * longest <= batch_tokens.
-
-    A sample longer than the budget forms a batch of its own. Deterministic: ties keep input order.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    out: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        # The first (longest) index of `cur` sets the padded width.
-        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return out
 
 
 class HFBackend:
@@ -67,43 +47,21 @@ class HFBackend:
         self.batch_tokens = batch_tokens
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
-        self._caught: dict[int, torch.Tensor] = {}
-
-    def _hook(self, layer_id: int) -> Callable:
-        def pre_hook(module, args, kwargs):
-            # args[0] / kwargs["hidden_states"]: [B, T, H], the stream entering this module.
-            self._caught[layer_id] = args[0] if args else kwargs["hidden_states"]
-
-        return pre_hook
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] (right-padded) -> states [B, T, n_aux + 1, H] in compute dtype."""
-        handles = []
-        for k in self.layer_ids:
-            mod = self.model.norm if k == self.n else self.layers[k]
-            handles.append(mod.register_forward_pre_hook(self._hook(k), with_kwargs=True))
-        try:
-            self._caught.clear()
+        with catch(self.model, self.layer_ids) as caught:
             self.model(input_ids=ids.to(self.device), use_cache=False)
-            return torch.stack([self._caught[k] for k in self.layer_ids], dim=2)
-        finally:
-            for h in handles:
-                h.remove()
-            self._caught.clear()
+        return torch.stack(caught, dim=2)
 
     def extract(self, samples: Sequence[Sample], on_tokens: Callable[[int], None] | None = None) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """Yield (sample_id, token_ids [T], hidden [T, n_aux + 1, H] on CPU) for every sample."""
-        lengths = [int(ids.numel()) for _, ids in samples]
-        for group in batches_by_length(lengths, self.batch_tokens):
-            width = lengths[group[0]]
-            ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
-            for r, i in enumerate(group):
-                ids[r, : lengths[i]] = samples[i][1]
-            h = self.forward(ids).cpu()  # [B, width, L, H]
-            for r, i in enumerate(group):
+        for group, lengths, ids in padded_batches([ids for _, ids in samples], self.batch_tokens, self.pad_id):
+            h = self.forward(ids).cpu()  # [B, T_max, L, H]
+            for r, (i, n) in enumerate(zip(group, lengths)):
                 sid, tok = samples[i]
-                yield sid, tok, h[r, : lengths[i]]
+                yield sid, tok, h[r, :n]
             if on_tokens is not None:
-                on_tokens(sum(lengths[i] for i in group))
+                on_tokens(sum(lengths))
             point("extract.batch")

@@ -22,10 +22,10 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle3.artifacts import HiddenShardInfo, HiddenStates, PreparedData
+from eagle3.manifests import HiddenShardInfo, HiddenStates, PreparedData
 from eagle3.atomic import atomic_path, clean_temp_files, sha256_file
 from eagle3.config import ExtractConfig
-from eagle3.extract.store import (
+from eagle3.store import (
     FORMAT_VERSION,
     INDEX_FILE,
     SHARD_DIR,
@@ -135,6 +135,23 @@ def _open_reuse(dirs: Sequence[str | Path], out: Path, common: dict[str, Any]) -
 
 
 # ---------------------------------------------------------------- the stage
+def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig, trust_remote_code: bool = False) -> dict[str, Any]:
+    """What the stored states depend on: the prepared data's and the target's content, the layer ids, the
+    storage and the shard plan's settings (backend, batch and parallelism settings change speed, not bytes).
+    The stage's "already done" check and the Prefect task's cache key are both this dict."""
+    target = Target.open(model, trust_remote_code)
+    return {
+        "format": FORMAT_VERSION,
+        "prepared": PreparedData.read(prepared).fingerprint,
+        "model": target.fingerprint(),
+        "layer_ids": target.layer_ids(cfg.aux_layer_ids),
+        "storage": cfg.storage,
+        "splits": cfg.splits,
+        "shard_bytes": cfg.shard_bytes,
+    }
+
+
+
 def run_extract(
     model: str | Path,
     prepared: str | Path,
@@ -168,7 +185,7 @@ def run_extract(
         "layer_ids": layer_ids,
         "storage": cfg.storage,
     }
-    inputs = {"prepared": prep.fingerprint, "model": model_fp}
+    fp = inputs(model, prepared, cfg, trust_remote_code)
     cfg_dump = cfg.model_dump(mode="json")
 
     known: dict[str, str] = {}  # shard file -> sha256 a finished run recorded
@@ -176,7 +193,7 @@ def run_extract(
     if HiddenStates.exists(out):
         done = HiddenStates.read(out)
         known = {s.file: s.sha256 for s in done.shards}
-        if done.inputs == inputs and done.config == cfg_dump:
+        if done.inputs == fp:
             checked = {s.file: shard_problem(out / s.file, s.sha256) for s in done.shards}
             if not any(checked.values()):
                 return done
@@ -295,7 +312,7 @@ def run_extract(
     num_bytes = sum(s.num_bytes for s in shards)
     man = HiddenStates(
         config=cfg_dump,
-        inputs=inputs,
+        inputs=fp,
         model_dir=str(model),
         model_fingerprint=model_fp,
         backend=getattr(backend, "name", cfg.backend) if backend is not None else cfg.backend,

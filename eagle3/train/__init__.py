@@ -1,20 +1,5 @@
-"""Stage 4: training the draft.
+"""Stage 4: training the draft (loop.py), with its loss (loss.py), data packing (data.py), checkpoints
+(checkpoint.py), metrics (metrics.py) and every torch.distributed call (distributed.py).
 
-    ttt_attention(q, k0, v0, kd, vd, doc)   blockwise TTT attention, O(L*(block+k)) extra memory
-    TargetHead.from_verifier(dir)(final)    -> (draft-vocab target logits, draft id of target argmax)
-    ttt_loss(draft_logits, target_logits, target_top, loss_mask, doc, weights) -> TTTLossOutput
-    ttt_loss_fused(states, lm_head, ...)    the same from normed states, never holding [L, Vd] for backward
+`python -m eagle3.train` (or torchrun -m eagle3.train) is the entry point: __main__.py.
 """
-from eagle3.train.attention import doc_ids_from_cu_seqlens, doc_ids_from_position_ids, ttt_attention
-from eagle3.train.loss import TargetHead, TTTLossOutput, step_weights, ttt_loss, ttt_loss_fused
-
-__all__ = [
-    "TTTLossOutput",
-    "TargetHead",
-    "doc_ids_from_cu_seqlens",
-    "doc_ids_from_position_ids",
-    "step_weights",
-    "ttt_attention",
-    "ttt_loss",
-    "ttt_loss_fused",
-]

@@ -21,15 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3.artifacts import HiddenStates, TrainedDraft, VerifierWeights
+from eagle3.manifests import HiddenStates, TrainedDraft, VerifierWeights
 from eagle3.atomic import atomic_write_text, sha256_file
 from eagle3.config import TrainConfig
-from eagle3.extract import open_store
+from eagle3.store import open_store
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
-from eagle3.train.export import export
+from eagle3.formats import export
 from eagle3.train.loss import TargetHead, TTTLossOutput, step_weights, ttt_loss_fused
 from eagle3.train.metrics import Meter, TensorBoard, chain_acceptance, plot_curves
 
@@ -182,6 +182,18 @@ def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, amp, cache: Top
     return m.reduce(d)
 
 
+def inputs(hidden_dir: str | Path, verifier_dir: str | Path, cfg: TrainConfig) -> dict[str, Any]:
+    """What a trained draft depends on: the hidden states' and verifier's manifests, a warm start's weights,
+    and the config. The stage's "already done" check (and checkpoints' resume check) and the Prefect task's
+    cache key are all this dict."""
+    return {
+        "hidden_states": HiddenStates.read(hidden_dir).fingerprint,
+        "verifier": VerifierWeights.read(verifier_dir).fingerprint,
+        "init_from": sha256_file(Path(cfg.init_from) / "model.safetensors") if cfg.init_from else None,
+        "config": cfg.model_dump(mode="json"),
+    }
+
+
 def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, out: str | Path,
           verifier_name: str = "", progress: bool = True, restart_on_mismatch: bool = False) -> TrainedDraft | None:
     """Train (or resume) a draft; rank 0 returns the manifest of `out`, other ranks None.
@@ -197,13 +209,11 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         raise ValueError("--fsdp needs CUDA; on CPU the trainer uses DDP")
     hidden = HiddenStates.read(hidden_dir)
     ver = VerifierWeights.read(verifier_dir)
-    inputs = {"hidden_states": hidden.fingerprint, "verifier": ver.fingerprint}
-    if cfg.init_from:
-        inputs["init_from"] = sha256_file(Path(cfg.init_from) / "model.safetensors")
+    fp = inputs(hidden_dir, verifier_dir, cfg)
     config = cfg.model_dump(mode="json")
     if d.main and TrainedDraft.exists(out):
         done = TrainedDraft.read(out)
-        if done.inputs == inputs and done.config == config and (out / FINAL / "config.json").is_file():
+        if done.inputs == fp and (out / FINAL / "config.json").is_file():
             log.info("train: %s already holds this exact result; nothing to do", out)
             dist.shutdown()
             return done
@@ -229,7 +239,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     last = ckpt.latest(out)
     if last is not None:
         state_dict, state, meta = ckpt.load(last)
-        if meta.get("config") != config or meta.get("inputs") != inputs:
+        if meta.get("config") != config or meta.get("inputs") != fp:
             if not restart_on_mismatch:
                 raise ValueError(f"{last}: checkpoint of a different config or different inputs; "
                                  f"use a new --out dir (or delete {out / ckpt.CKPT_DIR})")
@@ -273,7 +283,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         if d.main:
             state = {"optimizer": osd, "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
                      "pos": pos.__dict__.copy(), "best": dict(best), "last_val": last_val}
-            ckpt.save(out, tag, sd, state, {"config": config, "inputs": inputs, "step": pos.step})
+            ckpt.save(out, tag, sd, state, {"config": config, "inputs": fp, "step": pos.step})
             if tag.startswith("step-"):
                 ckpt.prune(out, cfg.keep_last)
         dist.barrier()
@@ -356,7 +366,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                extra={"best_step": best["step"], "sim_tau": best["tau"], "train_config": config})
         plot_curves(metrics_path, out / "curves.png")
         result = TrainedDraft(
-            config=config, inputs=inputs, final_dir=FINAL, export_format=cfg.export_format,
+            config=config, inputs=fp, final_dir=FINAL, export_format=cfg.export_format,
             steps=pos.step, best_step=best["step"], best_sim_tau=best["tau"],
             val=_last_val(metrics_path), draft_config=draft.config.model_dump(mode="json"),
             weights_sha256=sha256_file(out / FINAL / "model.safetensors"),

@@ -31,7 +31,10 @@ class StageManifest(BaseModel):
     eagle3_version: str = __version__
     created_at: str = ""
     config: dict[str, Any] = Field(default_factory=dict)
-    inputs: dict[str, str] = Field(default_factory=dict, description="input name -> content fingerprint")
+    inputs: dict[str, Any] = Field(
+        default_factory=dict, description="what the output depends on: input name -> content fingerprint, and the "
+        "settings that change the output (the stage's `inputs()`; also its Prefect cache key)",
+    )
     fingerprint: str = ""
 
     # Fields that name places, not content: left out of the fingerprint so that moving a
@@ -240,7 +243,7 @@ class EvalReport(StageManifest):
     stage: ClassVar[str] = "eval"
     format_version: ClassVar[int] = 1
     volatile: ClassVar[set[str]] = {"model_dir", "draft_dir"}
-    # Fields copied from the report dict of `eagle3.evaluate.measure`.
+    # Fields copied from the report dict of `eagle3.eval.decode.measure`.
     RESULTS: ClassVar[tuple[str, ...]] = (
         "backend", "draft_format", "k", "num_prompts", "num_turns", "acceptance_length",
         "per_position_acceptance", "lossless", "num_drafts", "num_accepted_tokens", "generated_tokens",

@@ -288,7 +288,7 @@ class HiddenStateStore(Sequence):
     def __init__(self, root: str | os.PathLike, split: str | None = None):
         import pyarrow.parquet as pq
 
-        from eagle3.artifacts import HiddenStates
+        from eagle3.manifests import HiddenStates
 
         self.root = Path(root)
         self.manifest = HiddenStates.read(self.root)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import RegenConfig
-from eagle3.regenerate import Gen
+from eagle3.generate import Gen
 
 
 def llm_kwargs(model: str | Path, cfg: RegenConfig, max_len: int, trust_remote_code: bool = False) -> dict[str, Any]:

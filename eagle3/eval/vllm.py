@@ -7,7 +7,7 @@ Contract, as read in vLLM's source (facts only):
   entry per position; with several engines (data parallel) each label set is its own record.
 - `vllm/v1/spec_decode/metrics.py`: per verify pass, `num_drafts` += 1, `num_draft_tokens` += k,
   `num_accepted_tokens` += accepted, `num_accepted_tokens_per_pos[i]` += 1 for each accepted
-  position i. So tau = 1 + accepted / drafts (REFERENCE §2).
+  position i. So tau = 1 + accepted / drafts.
 - `vllm/v1/metrics/loggers.py`: a new Prometheus logger unregisters existing `vllm:` metrics,
   so the speculative engine is built last and its counters are read as before/after deltas.
 - `speculative_config={"method": "eagle3", "model": DIR, "num_speculative_tokens": k}` (always
@@ -23,7 +23,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from eagle3.evaluate import Stats, _Timed, compare, draft_format, finish_report, load_prompts, run_conversation, summarize
+from eagle3.config import EvalConfig
+from eagle3.eval.decode import Stats, _Timed, compare, run_conversation, summarize
+from eagle3.eval.prompts import load_prompts
+from eagle3.eval.report import finish_report
+from eagle3.formats import draft_format
+from eagle3.manifests import EvalReport
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -66,35 +71,24 @@ def stats_between(before: dict[str, Any], after: dict[str, Any], k: int) -> Stat
     return Stats(k, drafts=d["drafts"], accepted=d["accepted"], per_pos=per)
 
 
-def evaluate_vllm(
-    model_dir: str | Path,
-    draft_dir: str | Path,
-    prompts: str | Path,
-    k: int,
-    out: str | Path,
-    max_new_tokens: int = 256,
-    limit: int | None = None,
-    gpu_memory_utilization: float = 0.4,
-    trust_remote_code: bool = False,
-):
+def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg: EvalConfig,
+                  inputs: dict[str, str], trust_remote_code: bool = False) -> EvalReport:
     """`eagle3 eval --backend vllm`: the report of `evaluate`, measured by vLLM on a GPU."""
     import json
 
     from vllm import LLM, SamplingParams
 
-    from eagle3.config import EvalConfig
     from eagle3.target import Target
 
-    cfg = EvalConfig(prompts=str(prompts), k=k, max_new_tokens=max_new_tokens, limit=limit, backend="vllm",
-                     gpu_memory_utilization=gpu_memory_utilization)
-    convs, prompts_fp = load_prompts(prompts, limit)
+    k, max_new_tokens = cfg.k, cfg.max_new_tokens
+    convs, _ = load_prompts(cfg.prompts, cfg.limit)
     cpath = Path(draft_dir) / "config.json"
     if not cpath.is_file():
         raise ValueError(f"{draft_dir}: no config.json (expected an EAGLE-3 draft dir)")
     fmt = draft_format(json.loads(cpath.read_text()))
     target = Target.open(model_dir, trust_remote_code)
     tok = target.tokenizer()
-    common = dict(model=str(model_dir), dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
+    common = dict(model=str(model_dir), dtype="bfloat16", gpu_memory_utilization=cfg.gpu_memory_utilization,
                   enable_prefix_caching=False, disable_log_stats=False, trust_remote_code=trust_remote_code)
     base = LLM(**common)
     spec = LLM(**common, speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})
@@ -121,5 +115,6 @@ def evaluate_vllm(
         items.append(compare(conv, ref, got, tok))
     stats = stats_between(before, spec_counters(spec.get_metrics()), k)
     report = summarize(k, convs, stats, items, (n_spec, t_spec), (n_plain, t_plain), max_new_tokens)
-    report.update(backend="vllm", draft_format=fmt, prompts=str(prompts), wall_seconds=time.perf_counter() - t0)
-    return finish_report(out, report, cfg, model_dir, draft_dir, prompts_fp, target.fingerprint())
+    report.update(mode="live", backend="vllm", draft_format=fmt, prompts=str(cfg.prompts),
+                  wall_seconds=time.perf_counter() - t0)
+    return finish_report(out, report, cfg, model_dir, draft_dir, inputs)

@@ -25,17 +25,6 @@ Reuse: each record's key is sha256(model fingerprint, settings, its system + use
 of earlier outputs (`reuse=` dirs, and this dir's own previous file when the source or limit
 changed) with the same key are copied instead of regenerated; only id/source fields are
 rewritten. So a nightly dataset that grew by 5% costs about 5% of a full regeneration.
-
-Exactness (hf): greedy output of a sequence in a left-padded batch is the same computation as
-alone, but not the same floating-point reductions (padded attention, other GEMM shapes), so a
-near-tie argmax could flip. Measured in fp32 on CPU: every turn equals `model.generate(
-do_sample=False)` on the same history, one record at a time (tests, tiny Llama and SmolLM2), and
-batch sizes 1, 4 and 8 write byte-identical files on 8 MT-Bench and 4-16 ShareGPT conversations
-(benchmarks/regenerate.py). bf16 on GPU is more tie-prone and was not measured; `batch_size=1` is
-exact by construction.
-
-Speed (hf, CPU): on a shared CPU give torch one thread (`--threads 1`): with other processes busy,
-2 threads decoded SmolLM2 about 8x slower than 1 (OpenMP oversubscription).
 """
 from __future__ import annotations
 
@@ -50,13 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
-from eagle3.artifacts import MANIFEST, RegeneratedData
+from eagle3.manifests import MANIFEST, RegeneratedData
 from eagle3.atomic import atomic_write_json, clean_temp_files, fsync_dir, sha256_file, sha256_json
 from eagle3.config import RegenConfig
 from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
+from eagle3.generate import Gen, Generator
 from eagle3.target import Target, prompt_ids
 
 log = logging.getLogger("eagle3.regenerate")
@@ -71,154 +59,6 @@ _SAMPLE_CHARS = 600
 _THINK = re.compile(r"<think>.*?(</think>|\Z)", re.S)  # an unclosed block (cut by max_new_tokens) runs to the end
 
 Progress = Callable[[dict[str, Any]], None]
-
-
-# ================================================================ backends
-@dataclass
-class Gen:
-    """One finished generation: token ids without the stop token, and why it ended."""
-
-    ids: list[int]
-    finish: str  # "stop" (a stop token) or "length" (max_new_tokens)
-    raw: list[int] = field(default_factory=list)  # hf: every decoded token, the stop and any `tail` past it
-
-
-class Generator(Protocol):
-    """What the driver asks of a backend: one answer per token-id prompt, in prompt order."""
-
-    name: str
-    dtype: str
-
-    def generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[Gen]:
-        ...
-
-
-def _finish(ids: list[int], eos: set[int], max_new: int) -> Gen:
-    """Cut after the first stop token (dropped) or at max_new tokens."""
-    for i, t in enumerate(ids[:max_new]):
-        if t in eos:
-            return Gen(ids[:i], "stop")
-    return Gen(ids[:max_new], "length")
-
-
-class HFGenerator:
-    """Batched decoding with transformers and a KV cache: left-padded batches, rows dropped as they finish.
-
-    Greedy (temperature 0) takes the argmax, as `generate(do_sample=False)` does. Sampling draws each
-    row from its own torch.Generator seeded per (record, turn), so a row's tokens do not depend on
-    which other rows share its batch.
-    """
-
-    name = "hf"
-
-    def __init__(self, model: torch.nn.Module, eos: set[int], cfg: RegenConfig, pad_id: int, tail: int = 0):
-        # tail: keep decoding this many tokens past the stop (replay evaluation checks a draft's
-        # proposals against the target's greedy tokens up to k past the end of an answer)
-        self.model, self.eos, self.cfg, self.pad, self.tail = model, set(eos), cfg, pad_id, tail
-        p = next(model.parameters())
-        self.device = p.device
-        self.dtype = str(p.dtype).removeprefix("torch.")
-        self.tokens = 0  # generated, for tok/s
-
-    def generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[Gen]:
-        # Longest first and similar lengths together: little padding, and the largest KV cache early.
-        order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
-        out: list[Gen | None] = [None] * len(prompts)
-        for idx in self.batches([len(prompts[i]) for i in order]):
-            idx = [order[k] for k in idx]
-            for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx])):
-                out[i] = g
-        return out  # type: ignore[return-value]
-
-    def batches(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Consecutive runs of `lengths` (longest first) with <= batch_size rows and <= batch_tokens padded tokens."""
-        res: list[list[int]] = []
-        for k, n in enumerate(lengths):
-            cur = res[-1] if res else None
-            # the first row of a batch is its longest: padded size = rows x that length
-            if cur is None or len(cur) >= self.cfg.batch_size or (len(cur) + 1) * lengths[cur[0]] > self.cfg.batch_tokens:
-                res.append([k])
-            else:
-                cur.append(k)
-        return res
-
-    def _pick(self, logits: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
-        """Next token per row. logits [b, V] -> ids [b]."""
-        if self.cfg.temperature == 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / self.cfg.temperature, -1)  # [b, V]
-        if self.cfg.top_p < 1.0:
-            p, ix = probs.sort(-1, descending=True)
-            keep = p.cumsum(-1) - p < self.cfg.top_p  # the smallest prefix whose mass reaches top_p
-            probs = torch.zeros_like(probs).scatter(-1, ix, p * keep)
-        return torch.stack([torch.multinomial(probs[r].cpu(), 1, generator=g)[0] for r, g in enumerate(gens)]).to(
-            logits.device
-        )
-
-    @torch.inference_mode()
-    def _batch(self, prompts: list[list[int]], seeds: list[int]) -> list[Gen]:
-        from transformers import DynamicCache
-
-        B, L, dev = len(prompts), max(map(len, prompts)), self.device
-        ids = torch.full((B, L), self.pad, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for r, p in enumerate(prompts):  # left padding: every row's last prompt token sits at column L-1
-            ids[r, L - len(p) :] = torch.tensor(p)
-            mask[r, L - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]: real positions start at 0 after the padding
-        gens = [torch.Generator().manual_seed(s) if self.cfg.temperature > 0 else None for s in seeds]
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
-        last = pos[:, -1]  # [B] position of each row's newest token
-        rows = list(range(B))  # batch row -> prompt index, for rows still running
-        out: list[list[int]] = [[] for _ in range(B)]
-        done: list[Gen | None] = [None] * B
-        end: list[int | None] = [None] * B  # decoded length at which a row stops: its stop + tail
-        max_new = self.cfg.max_new_tokens
-        while rows:
-            nxt = self._pick(logits, [gens[i] for i in rows]).tolist()  # [b]
-            keep = []
-            for r, (i, t) in enumerate(zip(rows, nxt)):
-                out[i].append(t)
-                self.tokens += 1
-                if end[i] is None and (t in self.eos or len(out[i]) >= max_new):
-                    end[i] = len(out[i]) + self.tail
-                if end[i] is not None and len(out[i]) >= end[i]:
-                    done[i] = _finish(out[i], self.eos, max_new)
-                    done[i].raw = out[i]
-                else:
-                    keep.append(r)
-            if not keep:
-                break
-            if len(keep) < len(rows):  # finished rows leave the batch (and the cache)
-                k = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(k)
-                mask, last = mask[k], last[k]
-                rows = [rows[r] for r in keep]
-                nxt = [nxt[r] for r in keep]
-            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)  # [b, L + t]
-            last = last + 1
-            logits = self.model(input_ids=torch.tensor(nxt, device=dev)[:, None], attention_mask=mask,
-                                position_ids=last[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
-        return done  # type: ignore[return-value]
-
-
-def resolve_dtype(cfg: RegenConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype != "auto":
-        return getattr(torch, cfg.dtype)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 is faster on CPU (REFERENCE §4)
-
-
-def load_hf(target: Target, cfg: RegenConfig, device: str | None = None) -> tuple[HFGenerator, Any]:
-    """(HFGenerator, tokenizer) for a target."""
-    tok = target.tokenizer()
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = target.load_model(head=True, device=dev, dtype=resolve_dtype(cfg, dev))
-    eos = target.stop_ids()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
-    return HFGenerator(model, eos, cfg, pad), tok
 
 
 # ================================================================ records
@@ -385,6 +225,18 @@ def _chunks(src: Path, stats: ReadStats, size: int, limit: int | None) -> Iterat
         yield start, buf
 
 
+def inputs(model: str | Path, data: str, cfg: RegenConfig, trust_remote_code: bool = False) -> dict[str, Any]:
+    """What the regenerated answers depend on: the source's content, the target's (weights, tokenizer,
+    template, stop ids) and the settings that change the text (batch, chunk and parallelism settings
+    change speed only). The stage's "already done" check and the Prefect task's cache key are both this dict."""
+    return {
+        "source": fingerprint_source(resolve_source(data)),
+        "model": Target.open(model, trust_remote_code).generation_fingerprint(),
+        "config": cfg.model_dump(mode="json", exclude={"chunk_records", "batch_size", "batch_tokens",
+                                                       "tensor_parallel_size", "gpu_memory_utilization"}),
+    }
+
+
 def regenerate(
     model: str | Path,
     data: str,
@@ -403,13 +255,13 @@ def regenerate(
     model, out = Path(model), Path(out)
     target = Target.open(model, trust_remote_code)
     src = resolve_source(data)
-    model_fp = target.generation_fingerprint()
-    inputs = {"source": fingerprint_source(src), "model": model_fp}
+    fp = inputs(model, data, cfg, trust_remote_code)
+    model_fp = fp["model"]
     config = cfg.model_dump(mode="json")
     if (out / MANIFEST).is_file():
         try:
             done = RegeneratedData.read(out)
-            if done.inputs == inputs and done.config == config and (out / OUT_FILE).is_file():
+            if done.inputs == fp and (out / OUT_FILE).is_file():
                 log.info("regenerate: %s already holds this exact result; nothing to do", out)
                 return done
         except ValueError:
@@ -421,7 +273,7 @@ def regenerate(
     if generator is None:
         generator = make_generator(target, cfg, max_len, eos)
     settings = cfg.settings(generator.dtype, max_len)
-    signature = sha256_json({"format": FORMAT, "inputs": inputs, "settings": settings, "limit": cfg.limit,
+    signature = sha256_json({"format": FORMAT, "inputs": fp, "settings": settings, "limit": cfg.limit,
                              "same_role": cfg.same_role, "chunk": cfg.chunk_records})
 
     out.mkdir(parents=True, exist_ok=True)
@@ -499,8 +351,8 @@ def regenerate(
                          f"skipped: {st.skipped}; examples: {st.skip_examples}")
     wall = time.perf_counter() - t0
     m = RegeneratedData(
-        config=config, inputs=inputs, model_dir=str(model), model_fingerprint=model_fp, source=str(src),
-        source_fingerprint=inputs["source"], backend=generator.name, settings=settings,
+        config=config, inputs=fp, model_dir=str(model), model_fingerprint=model_fp, source=str(src),
+        source_fingerprint=fp["source"], backend=generator.name, settings=settings,
         sha256=sha256_file(out / OUT_FILE), records_read=st.records_read, records_written=st.records_written,
         skipped=dict(sorted(st.skipped.items())), skip_examples=st.skip_examples, turns_written=st.turns_written,
         turns_cut=st.turns_cut, conversations_shortened=st.shortened, samples=st.samples,
@@ -596,9 +448,11 @@ def _commit(out: Path, st: _State, lines: list[bytes]) -> None:
 def make_generator(target: Target, cfg: RegenConfig, max_len: int, eos: set[int]) -> Generator:
     """The backend cfg.backend names, loaded for the target."""
     if cfg.backend == "vllm":
-        from eagle3.regenerate_vllm import VllmGenerator
+        from eagle3.regenerate.vllm import VllmGenerator
 
         return VllmGenerator(target.path, cfg, max_len, eos, trust_remote_code=target.trust_remote_code)
+    from eagle3.regenerate.hf import load_hf
+
     gen, _ = load_hf(target, cfg)
     return gen
 

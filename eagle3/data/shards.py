@@ -1,0 +1,34 @@
+"""The prepared-data shard format, written by `eagle3 prepare` and read by the stages after it.
+
+Each split is a list of Parquet shards named in the prepare manifest with their sha256:
+one row per sample, `sample_id` (content hash of ids + mask), `record_id` (the source record),
+`input_ids` int32 [T] and `loss_mask` int8 [T].
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3.atomic import sha256_file
+from eagle3.manifests import PreparedData
+
+SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("record_id", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+])
+
+
+def read_split(prepared: str | Path, split: str) -> pa.Table:
+    """All samples of one split as one Arrow table (verifies shard checksums)."""
+    m = PreparedData.read(prepared)
+    tables = []
+    for info in m.splits.get(split, []):
+        path = Path(prepared) / info.file
+        if sha256_file(path) != info.sha256:
+            raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
+        tables.append(pq.read_table(path))
+    return pa.concat_tables(tables) if tables else SCHEMA.empty_table()

@@ -1,0 +1,160 @@
+"""Batched decoding with transformers and a KV cache, shared by `eagle3 regenerate` (the target rewrites
+a dataset's answers) and replay evaluation (the target's greedy answers to benchmark prompts).
+
+Exactness (hf): greedy output of a sequence in a left-padded batch is the same computation as
+alone, but not the same floating-point reductions (padded attention, other GEMM shapes), so a
+near-tie argmax could flip. Measured in fp32 on CPU: every turn equals `model.generate(
+do_sample=False)` on the same history, one record at a time (tests, tiny Llama and SmolLM2), and
+batch sizes 1, 4 and 8 write byte-identical files on 8 MT-Bench and 4-16 ShareGPT conversations
+(benchmarks/regenerate.py). bf16 on GPU is more tie-prone and was not measured; `batch_size=1` is
+exact by construction.
+
+Speed (hf, CPU): on a shared CPU give torch one thread (`--threads 1`): with other processes busy,
+2 threads decoded SmolLM2 about 8x slower than 1 (OpenMP oversubscription).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from eagle3.config import RegenConfig
+
+
+@dataclass
+class Gen:
+    """One finished generation: token ids without the stop token, and why it ended."""
+
+    ids: list[int]
+    finish: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    raw: list[int] = field(default_factory=list)  # hf: every decoded token, the stop and any `tail` past it
+
+
+class Generator(Protocol):
+    """What the driver asks of a backend: one answer per token-id prompt, in prompt order."""
+
+    name: str
+    dtype: str
+
+    def generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[Gen]:
+        ...
+
+
+def finish(ids: list[int], eos: set[int], max_new: int) -> Gen:
+    """Cut after the first stop token (dropped) or at max_new tokens."""
+    for i, t in enumerate(ids[:max_new]):
+        if t in eos:
+            return Gen(ids[:i], "stop")
+    return Gen(ids[:max_new], "length")
+
+
+class HFGenerator:
+    """Batched decoding with transformers and a KV cache: left-padded batches, rows dropped as they finish.
+
+    Greedy (temperature 0) takes the argmax, as `generate(do_sample=False)` does. Sampling draws each
+    row from its own torch.Generator seeded per (record, turn), so a row's tokens do not depend on
+    which other rows share its batch.
+    """
+
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module, eos: set[int], cfg: RegenConfig, pad_id: int, tail: int = 0):
+        # tail: keep decoding this many tokens past the stop (replay evaluation checks a draft's
+        # proposals against the target's greedy tokens up to k past the end of an answer)
+        self.model, self.eos, self.cfg, self.pad, self.tail = model, set(eos), cfg, pad_id, tail
+        p = next(model.parameters())
+        self.device = p.device
+        self.dtype = str(p.dtype).removeprefix("torch.")
+        self.tokens = 0  # generated, for tok/s
+
+    def generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[Gen]:
+        # Longest first and similar lengths together: little padding, and the largest KV cache early.
+        order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+        out: list[Gen | None] = [None] * len(prompts)
+        for idx in self.batches([len(prompts[i]) for i in order]):
+            idx = [order[k] for k in idx]
+            for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx])):
+                out[i] = g
+        return out  # type: ignore[return-value]
+
+    def batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Consecutive runs of `lengths` (longest first) with <= batch_size rows and <= batch_tokens padded tokens."""
+        res: list[list[int]] = []
+        for k, n in enumerate(lengths):
+            cur = res[-1] if res else None
+            # the first row of a batch is its longest: padded size = rows x that length
+            if cur is None or len(cur) >= self.cfg.batch_size or (len(cur) + 1) * lengths[cur[0]] > self.cfg.batch_tokens:
+                res.append([k])
+            else:
+                cur.append(k)
+        return res
+
+    def _pick(self, logits: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
+        """Next token per row. logits [b, V] -> ids [b]."""
+        if self.cfg.temperature == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / self.cfg.temperature, -1)  # [b, V]
+        if self.cfg.top_p < 1.0:
+            p, ix = probs.sort(-1, descending=True)
+            keep = p.cumsum(-1) - p < self.cfg.top_p  # the smallest prefix whose mass reaches top_p
+            probs = torch.zeros_like(probs).scatter(-1, ix, p * keep)
+        return torch.stack([torch.multinomial(probs[r].cpu(), 1, generator=g)[0] for r, g in enumerate(gens)]).to(
+            logits.device
+        )
+
+    @torch.inference_mode()
+    def _batch(self, prompts: list[list[int]], seeds: list[int]) -> list[Gen]:
+        from transformers import DynamicCache
+
+        B, L, dev = len(prompts), max(map(len, prompts)), self.device
+        ids = torch.full((B, L), self.pad, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for r, p in enumerate(prompts):  # left padding: every row's last prompt token sits at column L-1
+            ids[r, L - len(p) :] = torch.tensor(p)
+            mask[r, L - len(p) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]: real positions start at 0 after the padding
+        gens = [torch.Generator().manual_seed(s) if self.cfg.temperature > 0 else None for s in seeds]
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        last = pos[:, -1]  # [B] position of each row's newest token
+        rows = list(range(B))  # batch row -> prompt index, for rows still running
+        out: list[list[int]] = [[] for _ in range(B)]
+        done: list[Gen | None] = [None] * B
+        end: list[int | None] = [None] * B  # decoded length at which a row stops: its stop + tail
+        max_new = self.cfg.max_new_tokens
+        while rows:
+            nxt = self._pick(logits, [gens[i] for i in rows]).tolist()  # [b]
+            keep = []
+            for r, (i, t) in enumerate(zip(rows, nxt)):
+                out[i].append(t)
+                self.tokens += 1
+                if end[i] is None and (t in self.eos or len(out[i]) >= max_new):
+                    end[i] = len(out[i]) + self.tail
+                if end[i] is not None and len(out[i]) >= end[i]:
+                    done[i] = finish(out[i], self.eos, max_new)
+                    done[i].raw = out[i]
+                else:
+                    keep.append(r)
+            if not keep:
+                break
+            if len(keep) < len(rows):  # finished rows leave the batch (and the cache)
+                k = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(k)
+                mask, last = mask[k], last[k]
+                rows = [rows[r] for r in keep]
+                nxt = [nxt[r] for r in keep]
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)  # [b, L + t]
+            last = last + 1
+            logits = self.model(input_ids=torch.tensor(nxt, device=dev)[:, None], attention_mask=mask,
+                                position_ids=last[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        return done  # type: ignore[return-value]
+
+
+def resolve_dtype(cfg: RegenConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 is faster on CPU (REFERENCE §4)

@@ -1,0 +1,9 @@
+"""Stage 0 (optional): the target rewrites every assistant turn of a chat dataset.
+
+    regenerate(model, data, out, cfg) -> RegeneratedData (regenerated.jsonl, read by `eagle3 prepare`)
+
+Backends: hf.py (transformers, batched) and vllm.py (GPU host); the driver is run.py.
+"""
+from eagle3.regenerate.run import OUT_FILE, regenerate, read_records
+
+__all__ = ["OUT_FILE", "read_records", "regenerate"]

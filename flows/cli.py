@@ -1,0 +1,62 @@
+"""The installed `eagle3` command: the library's subcommands (eagle3/cli.py) plus `eagle3 run`, the whole
+pipeline as a Prefect flow. It lives here, above the flows it starts, so the library never imports them."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from eagle3 import cli
+
+
+def _run(a) -> None:
+    from eagle3.config import PipelineConfig
+
+    cfg = PipelineConfig.from_file(a.config)
+    if a.run_dir:
+        cfg = cfg.model_copy(update={"run_dir": a.run_dir})
+    if a.dry_run:
+        from eagle3.preflight import plan
+
+        p = plan(cfg)
+        print(f"preflight for {a.config}: {p.time_line()}\n~{p.tokens:,} tokens\n{p.table()}")
+        print("\n".join(f"PROBLEM: {x}" for x in p.problems) or "OK: every remaining stage fits")
+        return
+    # With no PREFECT_API_URL every run starts a temporary local Prefect server: ~18 s cold on a 2-core
+    # machine, against Prefect's 20 s default startup timeout. Analytics off: SQLite logs "database is locked".
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if os.environ.get("PREFECT_HOME"):  # the embedded server's SQLite file goes there; a missing dir times it out
+        os.makedirs(os.path.expanduser(os.environ["PREFECT_HOME"]), exist_ok=True)
+    from flows.pipeline import pipeline
+
+    result = pipeline(cfg)
+    r = result.pop("report")
+    print(json.dumps(result, indent=1))
+    final = os.path.abspath(result["final"])
+    spec = json.dumps({"method": "eagle3", "model": final, "num_speculative_tokens": r.k})
+    ci = f" (95% CI {r.acceptance_length_ci[0]:.3f}-{r.acceptance_length_ci[1]:.3f})" if r.acceptance_length_ci else ""
+    print(f"\ntau (acceptance length) = {r.acceptance_length:.3f}{ci} at k={r.k} on {r.num_prompts} prompts "
+          f"({cfg.eval.prompts}, {r.mode}); speedup {r.speedup_vs_target or 0:.2f}x over greedy; lossless: {r.lossless}")
+    print(f"draft: {final}")
+    print(f"serve it: vllm serve {os.path.abspath(cfg.model)} --speculative-config '{spec}'")
+
+
+def build_parser():
+    ap = cli.build_parser()
+    sub = next(x for x in ap._actions if x.dest == "cmd")
+    p = sub.add_parser("run", help="run the whole pipeline as a Prefect flow (embedded Prefect, no server needed)",
+                       allow_abbrev=False)
+    p.add_argument("--config", required=True, help="PipelineConfig as YAML or JSON")
+    p.add_argument("--run-dir", default=None, help="override the config's run_dir")
+    p.add_argument("--dry-run", action="store_true", help="print the preflight estimate (disk, memory) and exit")
+    p.set_defaults(func=_run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, parser=build_parser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
