@@ -55,7 +55,8 @@ def materialize_smollm2(out: str | Path) -> Path:
             return out
     gguf_sha = sha256_file(gguf)
     model, tok = load_smollm2_gguf()
-    # save_pretrained refuses a GGUF-loaded model while it still looks quantized (REFERENCE §4).
+    # save_pretrained refuses a GGUF-loaded model while it still looks quantized (hf_quantizer and
+    # config.quantization_config set by the GGUF loader, although the weights are dequantized fp32).
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -3,7 +3,7 @@
 In TTT step j the query at position t attends to
   * the step-0 keys at positions s <= t of the same document (causal, packed-aware), and
   * the keys that steps 1..j produced at position t itself (the "diagonal").
-(REFERENCE §1; EAGLE-3, arXiv 2503.01840.) The usual implementation concatenates all keys
+(EAGLE-3, arXiv 2503.01840; SpecForge and speculators agree.) The usual implementation concatenates all keys
 and builds a dense [L, L*(j+1)] mask, which is B*heads*L*(L*k) scores: the field's main OOM.
 
 Here the two parts are merged with a log-sum-exp instead. `TTTAttention` is an autograd

@@ -229,11 +229,11 @@ class Attention(nn.Module):
 
     def __init__(self, c: DraftConfig):
         super().__init__()
-        self.n_q, self.n_kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(2 * c.hidden_size, self.n_q * self.d, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.d, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.n_q * self.d, c.hidden_size, bias=False)
+        self.n_q, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, self.n_q * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_q * self.head_dim, c.hidden_size, bias=False)
 
 
 class MLP(nn.Module):
@@ -266,9 +266,9 @@ class DecoderLayer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), hn], -1)  # [B, T, 2H]
         a = self.self_attn
         B, T, _ = x.shape
-        q = a.q_proj(x).view(B, T, a.n_q, a.d).transpose(1, 2)
-        k = a.k_proj(x).view(B, T, a.n_kv, a.d).transpose(1, 2)
-        v = a.v_proj(x).view(B, T, a.n_kv, a.d).transpose(1, 2)
+        q = a.q_proj(x).view(B, T, a.n_q, a.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

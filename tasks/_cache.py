@@ -1,9 +1,10 @@
-"""Cache keys built from content fingerprints, never from path strings (REFERENCE §3).
+"""Cache keys built from content fingerprints, never from path strings.
 
 Prefect's INPUTS policy hashes a path as a string, so an edited file at the same path would
-still hit the cache. A stage's key here is sha256 over: the stage name, its format version,
-the content fingerprints of its inputs, and its config. The flow refreshes a cached stage
-whose output dir is gone (see `flows.pipeline`), so a hit never points at missing files.
+still hit the cache. A stage's key here is sha256 over: the stage name, its format version and
+the stage's own `inputs()` -- the content fingerprints of its inputs and the settings that change
+its output, the same dict the library's "already done" check compares. The flow refreshes a
+cached stage whose output dir is gone (see `flows.stages`), so a hit never points at missing files.
 """
 from __future__ import annotations
 

@@ -264,7 +264,7 @@ CASES: list[Case] = [
                        "--aux-layers=-1,3,4"], r"in \[0, 6\)"),
     Case("aux_layers_not_integers", "extract",
          lambda w, b: ["extract", "--model", str(b.model), "--prepared", str(b.prep), "--out", str(w / "out"),
-                       "--aux-layers", "a,b,c"], r"--aux-layers 'a,b,c'"),
+                       "--aux-layers", "a,b,c"], r"--aux-layers: expected comma-separated int values, got 'a,b,c'"),
     Case("prepared_dir_without_manifest", "extract",
          lambda w, b: ["extract", "--model", str(b.model), "--prepared", str(w), "--out", str(w / "out")],
          r"manifest\.json: no prepare manifest"),

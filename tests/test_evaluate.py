@@ -72,7 +72,7 @@ def layer_config(c: DraftConfig) -> dict:
 
 
 def write_native(d: Eagle3Draft, out, prefix: str = "", keep=("d2t", "t2d"), embed=False, file="model.safetensors"):
-    """vLLM's native EAGLE-3 layout (REFERENCE §2), as our exporter and EAGLE/SpecForge write it."""
+    """vLLM's native EAGLE-3 layout (LlamaForCausalLMEagle3), as our exporter and EAGLE/SpecForge write it."""
     c = d.config
     out.mkdir(parents=True, exist_ok=True)
     cfg = {

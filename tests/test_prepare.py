@@ -203,7 +203,7 @@ def test_real_sharegpt_limit_and_cli(tmp_path, smollm2_dir):
     m = PreparedData.read(out)
     assert m.records_read == 300 and m.records_kept + sum(m.skipped.values()) == 300
     assert m.vocab_map.draft_vocab_size == 4096 and 0.9 < m.vocab_map.coverage <= 1.0
-    assert 0.5 < m.num_trainable_tokens / m.num_tokens < 0.95  # REFERENCE §4: ~73% assistant tokens
+    assert 0.5 < m.num_trainable_tokens / m.num_tokens < 0.95  # ShareGPT with SmolLM2's template: ~73% assistant tokens
     assert "«" in r.stdout  # --show highlights trainable spans (no TTY: «…» markers)
     t = pq.read_table(out / m.splits["train"][0].file)
     assert t.schema.field("input_ids").type.value_type.bit_width == 32

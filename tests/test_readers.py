@@ -105,7 +105,7 @@ def test_bundled_sharegpt_is_streamed_despite_truncation():
     path = resolve_source("sharegpt")
     st = ReadStats()
     n_raw = sum(isinstance(r, Raw) for r in iter_source(path, st))
-    assert n_raw == 17671  # REFERENCE §4: every complete record of the truncated file
+    assert n_raw == 17671  # every complete record of the bundled (truncated) file
     assert st.unreadable_tail_bytes > 0
 
 

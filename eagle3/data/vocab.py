@@ -1,6 +1,6 @@
 """The draft vocabulary: the most frequent target tokens where loss_mask == 1.
 
-Stored as vLLM reads it (REFERENCE §1):
+Stored as vLLM reads it (its EAGLE-3 loader takes `d2t`; `t2d` is ignored there):
 - d2t [Vd] int64 offsets, target_id = draft_id + d2t[draft_id];
 - t2d [V] bool, True where a target id is in the draft vocab.
 Draft ids are assigned in increasing target-id order, so d2t is non-negative and

@@ -105,7 +105,7 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, ids: list[int], aux: torch.Tensor, k: int) -> list[int]:
-        d = self.draft
+        dr = self.draft
         m, p0 = aux.shape[0], self.n_ctx
         if p0 + m != len(ids) - 1:
             raise RuntimeError(f"draft has states for {p0} positions, got {m} more, but the sequence holds {len(ids)}")
@@ -113,19 +113,19 @@ class DraftProposer:
         self.cache.crop(p0)
         tok = torch.tensor([ids[p0 + 1 : p0 + 1 + m]], device=self.device)  # [1, m]: token p+1 for state p
         pos = torch.arange(p0, p0 + m, device=self.device)[None]  # [1, m]
-        h = d.combine(aux[None].to(self.device, self.dtype))  # [1, m, H]
-        normed, h = d.step(tok, h, pos, self.cache)  # [1, m, H] each
+        h = dr.combine(aux[None].to(self.device, self.dtype))  # [1, m, H]
+        normed, h = dr.step(tok, h, pos, self.cache)  # [1, m, H] each
         self.n_ctx = p0 + m
         normed, h = normed[:, -1:], h[:, -1:]  # the last verified position predicts t_L
         last = p0 + m - 1
         out: list[int] = []
         for j in range(k):
-            nxt = d.to_target_ids(d.logits(normed).argmax(-1))  # [1, 1]
+            nxt = dr.to_target_ids(dr.logits(normed).argmax(-1))  # [1, 1]
             out.append(int(nxt))
             if j + 1 == k:
                 break
             # step j+1: the proposed token at position last + j + 1, fed the previous output state
-            normed, h = d.step(nxt, h, torch.tensor([[last + j + 1]], device=self.device), self.cache)
+            normed, h = dr.step(nxt, h, torch.tensor([[last + j + 1]], device=self.device), self.cache)
         return out
 
 

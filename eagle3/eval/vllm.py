@@ -61,14 +61,14 @@ def spec_counters(metrics: Iterable[Any]) -> dict[str, Any]:
 
 def stats_between(before: dict[str, Any], after: dict[str, Any], k: int) -> Stats:
     """The counters accumulated between two `spec_counters` snapshots, as a Stats of k positions."""
-    d = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
-    if d["drafts"] and d["draft_tokens"] != d["drafts"] * k:
-        raise RuntimeError(f"vLLM drafted {d['draft_tokens']} tokens in {d['drafts']} passes, expected k={k} each")
+    delta = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
+    if delta["drafts"] and delta["draft_tokens"] != delta["drafts"] * k:
+        raise RuntimeError(f"vLLM drafted {delta['draft_tokens']} tokens in {delta['drafts']} passes, expected k={k} each")
     pa, pb = after["per_pos"], before["per_pos"]
     per = [(pa[i] if i < len(pa) else 0) - (pb[i] if i < len(pb) else 0) for i in range(k)]
-    if sum(per) != d["accepted"]:
-        raise RuntimeError(f"per-position accepted counts {per} do not sum to accepted tokens {d['accepted']}")
-    return Stats(k, drafts=d["drafts"], accepted=d["accepted"], per_pos=per)
+    if sum(per) != delta["accepted"]:
+        raise RuntimeError(f"per-position accepted counts {per} do not sum to accepted tokens {delta['accepted']}")
+    return Stats(k, drafts=delta["drafts"], accepted=delta["accepted"], per_pos=per)
 
 
 def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg: EvalConfig,

@@ -305,9 +305,9 @@ def run_extract(
     ]
     splits: dict[str, dict[str, int]] = {}
     for s in shards:
-        d = splits.setdefault(s.split, {"num_samples": 0, "num_tokens": 0})
-        d["num_samples"] += s.num_samples
-        d["num_tokens"] += s.num_tokens
+        acc = splits.setdefault(s.split, {"num_samples": 0, "num_tokens": 0})
+        acc["num_samples"] += s.num_samples
+        acc["num_tokens"] += s.num_tokens
     num_tokens = sum(s.num_tokens for s in shards)
     num_bytes = sum(s.num_bytes for s in shards)
     man = HiddenStates(

@@ -20,12 +20,15 @@ Contract, as read in vLLM's source (facts only):
   `kv_transfer_config` as a dict or a KVTransferConfig; `generate(prompts, sampling_params)`
   takes `{"prompt_token_ids": [...]}` prompts and returns one RequestOutput per request,
   each with its own `request_id` and `prompt_token_ids`.
-- REFERENCE §2: with prefix caching on, the dumped states come out short; keep it off.
+- With prefix caching on, a prompt whose leading blocks are cached is not recomputed there, so
+  its dumped states come out short: keep it off.
 
 Outputs are mapped back to samples through the request itself -- the token ids the connector
 saved for it, which must equal its prompt -- never through the position in the output list.
-The old custom-worker + `collective_rpc` route is not used here (its bare-value trap is
-documented in REFERENCE §2); every sample is still validated for layer count and shape.
+The old custom-worker + `collective_rpc` route is not used here: `MultiprocExecutor.collective_rpc(...,
+unique_reply_rank=0)` returns rank 0's value bare while `LLM.collective_rpc` returns a list, and
+indexing [0] on the bare value once silently kept 1 of 4 layers. Every sample is still validated for
+layer count and shape.
 """
 from __future__ import annotations
 

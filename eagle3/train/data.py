@@ -58,13 +58,13 @@ def collate(store, idx: list[int], pack_tokens: int, device: torch.device | str 
     within the row), aux [1, L, 3, H] and final [1, L, H] as fp32.
     """
     ids, mask, pos, doc, aux, fin = [], [], [], [], [], []
-    for d, i in enumerate(idx):
+    for j, i in enumerate(idx):
         s = store[i]
         n = min(len(s["input_ids"]), pack_tokens)
         ids.append(torch.as_tensor(s["input_ids"][:n]).long())
         mask.append(torch.as_tensor(s["loss_mask"][:n]).long())
         pos.append(torch.arange(n))
-        doc.append(torch.full((n,), d, dtype=torch.long))
+        doc.append(torch.full((n,), j, dtype=torch.long))
         aux.append(s["aux_hidden_states"][:n].float())
         fin.append(s["final_hidden_states"][:n].float())
     out = {

@@ -1,4 +1,5 @@
-"""All torch.distributed code of eagle3 lives here (DESIGN: the model file holds none).
+"""All torch.distributed code of eagle3 lives here: the model file holds none (parallelism is applied to
+a built model, as torchtitan does).
 
 Runs under `torchrun` (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR in the environment) or as
 one plain process. gloo on CPU, nccl on CUDA. Parallelism is applied to a built model by

@@ -166,7 +166,7 @@ _malloc_trim = _libc_malloc_trim()
 
 
 @torch.no_grad()
-def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, amp, cache: TopCache) -> dict[str, Any]:
+def validate(model, head, store, cfg: TrainConfig, world: dist.Dist, amp, cache: TopCache) -> dict[str, Any]:
     """Loss, per-step top-1 and simulated tau over the validation split (all ranks, summed)."""
     if store is None or len(store) == 0:
         return {}
@@ -174,12 +174,12 @@ def validate(model, head, store, cfg: TrainConfig, d: dist.Dist, amp, cache: Top
     packs = epoch_packs(lengths, cfg.seed, -1, cfg.pack_tokens)[: cfg.val_max_packs]
     m = Meter(cfg.ttt_steps)
     model.eval()
-    for i in range(d.rank, len(packs), d.world):
-        batch = collate(store, packs[i], cfg.pack_tokens, d.device)
+    for i in range(world.rank, len(packs), world.world):
+        batch = collate(store, packs[i], cfg.pack_tokens, world.device)
         out = row_pass(model, cache(head, batch, "val", packs[i]), batch, amp)
         m.add(out, chain_acceptance(out), rows=1, tokens=batch["input_ids"].numel())
     model.train()
-    return m.reduce(d)
+    return m.reduce(world)
 
 
 def inputs(hidden_dir: str | Path, verifier_dir: str | Path, cfg: TrainConfig) -> dict[str, Any]:
@@ -202,33 +202,33 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     `restart_on_mismatch` (the pipeline's choice: its stage dir follows its inputs), are cleared.
     """
     hidden_dir, verifier_dir, out = Path(hidden_dir), Path(verifier_dir), Path(out)
-    d = dist.init()
+    world = dist.init()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.fsdp and d.device.type != "cuda":
+    if cfg.fsdp and world.device.type != "cuda":
         raise ValueError("--fsdp needs CUDA; on CPU the trainer uses DDP")
     hidden = HiddenStates.read(hidden_dir)
     ver = VerifierWeights.read(verifier_dir)
     fp = inputs(hidden_dir, verifier_dir, cfg)
     config = cfg.model_dump(mode="json")
-    if d.main and TrainedDraft.exists(out):
+    if world.main and TrainedDraft.exists(out):
         done = TrainedDraft.read(out)
         if done.inputs == fp and (out / FINAL / "config.json").is_file():
             log.info("train: %s already holds this exact result; nothing to do", out)
             dist.shutdown()
             return done
 
-    draft = build_draft(cfg, hidden, verifier_dir).to(d.device)
+    draft = build_draft(cfg, hidden, verifier_dir).to(world.device)
     # A tied target (SmolLM2, Llama-3.2-1B, ...): the head's lm_head *is* the draft's frozen
     # embedding, one [V, H] fp32 copy instead of two (113 MB for SmolLM2). FSDP shards the
     # embedding, so there the head keeps its own.
     shared = draft.embed_tokens.weight.detach() if ver.tied_embeddings and not cfg.fsdp else None
-    head = TargetHead.from_verifier(verifier_dir, lm_head=shared).to(d.device)
+    head = TargetHead.from_verifier(verifier_dir, lm_head=shared).to(world.device)
     train_store = open_store(hidden_dir, "train")
     val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
     lengths = train_store.lengths
     n_packs = len(epoch_packs(lengths, cfg.seed, 0, cfg.pack_tokens))
-    spe = steps_per_epoch(n_packs, d.world, cfg.grad_accum)
+    spe = steps_per_epoch(n_packs, world.world, cfg.grad_accum)
     total = cfg.max_steps or cfg.epochs * spe
     weights = step_weights(cfg.ttt_steps, cfg.step_decay)
 
@@ -244,14 +244,14 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                 raise ValueError(f"{last}: checkpoint of a different config or different inputs; "
                                  f"use a new --out dir (or delete {out / ckpt.CKPT_DIR})")
             dist.barrier()
-            if d.main:
+            if world.main:
                 log.warning("train: %s holds a run of another config or other inputs; starting over", out)
                 ckpt.clear(out, [METRICS, FINAL, "manifest.json", "curves.png"])
             dist.barrier()
             last = None
     if last is not None:
         draft.load_state_dict(state_dict)  # before wrapping: FSDP2 then shards the loaded weights
-    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block, weights), d, cfg.fsdp)
+    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block, weights), world, cfg.fsdp)
     # The optimizer is built on the wrapped model's parameters (FSDP2 replaces them with shards).
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
@@ -262,15 +262,15 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         ckpt.set_rng_state(state["rng"])
         pos, best = Pos(**state["pos"]), state["best"]
         last_val = state.get("last_val", -1)
-        if d.main:
+        if world.main:
             log.info("train: resumed from %s (step %d, epoch %d, epoch step %d)", last.name, pos.step, pos.epoch,
                      pos.epoch_step)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if d.device.type == "cuda" else nullcontext()
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if world.device.type == "cuda" else nullcontext()
     metrics_path = out / METRICS
-    if d.main:
+    if world.main:
         out.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(metrics_path, pos.step, last_val)
-    tb = TensorBoard(out, d.main)
+    tb = TensorBoard(out, world.main)
 
     def emit(rec: dict[str, Any]) -> None:
         _log_metrics(metrics_path, rec)
@@ -280,7 +280,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         sd = dist.full_state_dict(model if cfg.fsdp else draft)
         sd = {k.removeprefix("draft."): v for k, v in sd.items()}
         osd = dist.optimizer_state(model, opt, cfg.fsdp)  # collective under FSDP: every rank calls it
-        if d.main:
+        if world.main:
             state = {"optimizer": osd, "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
                      "pos": pos.__dict__.copy(), "best": dict(best), "last_val": last_val}
             ckpt.save(out, tag, sd, state, {"config": config, "inputs": fp, "step": pos.step})
@@ -293,10 +293,10 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     def run_validation() -> None:
         nonlocal best, last_val
         last_val = pos.step
-        v = validate(model, head, val_store, cfg, d, amp, tops)
+        v = validate(model, head, val_store, cfg, world, amp, tops)
         if not v:
             return
-        if d.main:
+        if world.main:
             emit({"split": "val", "step": pos.step, "epoch": pos.epoch, **v})
             log.info("val step %d: loss %.4f acc %s sim tau %.3f", pos.step, v["loss"],
                      [round(a, 3) for a in v["acc"]], v["sim_tau"])
@@ -308,7 +308,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
 
     # A bar on a terminal; under torchrun-in-Prefect (no TTY) one log line per log step instead.
     tty = sys.stderr.isatty()
-    bar = tqdm(total=total, initial=pos.step, unit="step", desc="train", disable=not (progress and d.main and tty),
+    bar = tqdm(total=total, initial=pos.step, unit="step", desc="train", disable=not (progress and world.main and tty),
                dynamic_ncols=True, mininterval=2.0)
     t_start, step_start = time.perf_counter(), pos.step
     window = Meter(cfg.ttt_steps)
@@ -317,9 +317,9 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     while pos.step < total:
         packs = epoch_packs(lengths, cfg.seed, pos.epoch, cfg.pack_tokens)
         while pos.epoch_step < spe and pos.step < total:
-            rows = micro_packs(packs, pos.epoch_step, d.rank, d.world, cfg.grad_accum)
+            rows = micro_packs(packs, pos.epoch_step, world.rank, world.world, cfg.grad_accum)
             for a, idx in enumerate(rows):
-                batch = collate(train_store, idx, cfg.pack_tokens, d.device)
+                batch = collate(train_store, idx, cfg.pack_tokens, world.device)
                 sync = a == len(rows) - 1 or not hasattr(model, "no_sync")
                 with (nullcontext() if sync else model.no_sync()):
                     out_ = row_pass(model, tops(head, batch, "train", idx), batch, amp)
@@ -330,11 +330,11 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
             pos.epoch_step += 1
             bar.update(1)
             if pos.step % cfg.log_every == 0 or pos.step == total:
-                w = window.reduce(d)
+                w = window.reduce(world)
                 dt = time.perf_counter() - t_win
                 rec = {"split": "train", "step": pos.step, "epoch": pos.epoch, "lr": sched.get_last_lr()[0],
                        "grad_norm": float(gnorm), "tokens_per_s": w["tokens"] / max(dt, 1e-9), **w}
-                if d.main:
+                if world.main:
                     emit(rec)
                     bar.set_postfix_str(f"loss {w['loss']:.3f} acc0 {w['acc'][0]:.3f} {rec['tokens_per_s']:,.0f} tok/s")
                     if not tty:
@@ -358,7 +358,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     tb.close()
 
     result = None
-    if d.main:
+    if world.main:
         src = out / ckpt.CKPT_DIR / ckpt.BEST if (out / ckpt.CKPT_DIR / ckpt.BEST).is_dir() else last_step_dir(out)
         state_dict, _, meta = ckpt.load(src)
         export(state_dict, draft.config, cfg.ttt_steps, out / FINAL, cfg.export_format,

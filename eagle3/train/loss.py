@@ -1,8 +1,9 @@
 """The EAGLE-3 loss: forward KL to the target's distribution over the draft vocab, per TTT step.
 
-Targets (REFERENCE §1): p = softmax(lm_head_d(norm(final))) where `final` is the target's last
-layer output *before* its final norm, `norm` is the target's final RMSNorm and lm_head_d holds
-the target lm_head rows of the draft vocab (so p is renormalized over the draft vocab).
+Targets: p = softmax(lm_head_d(norm(final))) where `final` is the target's last layer output
+*before* its final norm, `norm` is the target's final RMSNorm and lm_head_d holds the target
+lm_head rows of the draft vocab (so p is renormalized over the draft vocab). Forgetting the norm
+dropped one model's acceptance from 40% to 25% (speculators #313).
 
 Alignment (see `Eagle3Draft.ttt_forward`): step j at position t predicts token t + j + 2, whose
 target distribution is the one at position t + j + 1. The position counts iff token t + j + 2
