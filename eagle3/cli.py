@@ -70,11 +70,11 @@ def _train(a) -> None:
     import subprocess
 
     cfg = C.from_flags(C.TrainConfig, a, C.load_section(a.config, "train") if a.config else None)
-    cmd = T.command(a.hidden, a.verifier, a.out, cfg, a.verifier_name, a.restart_on_mismatch)
-    # one process runs here; more go through torchrun (several nodes: run torchrun yourself)
-    rc = subprocess.call(cmd) if cfg.nproc_per_node > 1 else T.main(cmd[cmd.index("eagle3.train") + 1 :])
+    if cfg.nproc_per_node == 1:  # one process trains here; more go through torchrun (several nodes: run it yourself)
+        return T.run(cfg, a.hidden, a.verifier, a.out, a.verifier_name, a.restart_on_mismatch)
+    rc = subprocess.call(T.command(a.hidden, a.verifier, a.out, cfg, a.verifier_name, a.restart_on_mismatch))
     if rc:
-        raise UserError(f"training exited with status {rc}")
+        raise UserError(f"torchrun exited with status {rc}")
 
 
 def _eval(a) -> None:

@@ -351,7 +351,7 @@ def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
     assert len((out / "samples.jsonl").read_text().splitlines()) == 2
     m = EvalReport.read(out)
     assert m.acceptance_length == r["acceptance_length"] and m.lossless and m.draft_format == "vllm"
-    assert set(m.inputs) == {"model", "draft", "prompts"} and m.plot_file == "acceptance.png"
+    assert set(m.inputs) == {"model", "draft", "prompts", "config"} and m.plot_file == "acceptance.png"
     assert m.config["k"] == 2 and m.config["threads"] == 1 and m.config["max_new_tokens"] == 8
     # a user error is one line, exit 2
     assert main(["eval", "--model", str(tiny_llama_dir), "--draft", str(tmp_path), "--prompts", str(p),

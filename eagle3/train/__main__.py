@@ -41,6 +41,17 @@ def command(hidden, verifier, out, cfg: C.TrainConfig, verifier_name: str = "", 
             "-m", "eagle3.train", *argv]
 
 
+def run(cfg: C.TrainConfig, hidden, verifier, out, verifier_name: str = "", restart_on_mismatch: bool = False) -> None:
+    """This process's part of training `cfg` (rank 0 holds the out dir's lock)."""
+    from eagle3.lock import RunLock
+    from eagle3.train.loop import train
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    with RunLock(out) if rank == 0 else nullcontext():
+        train(cfg, hidden, verifier, out, verifier_name=verifier_name, restart_on_mismatch=restart_on_mismatch)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     for flag, kw in FLAGS:
@@ -48,14 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     C.add_flags(p, C.TrainConfig, ALIASES)
     a = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
-    from eagle3.lock import LockedError, RunLock
-    from eagle3.train.loop import train
+    from eagle3.lock import LockedError
 
     try:
         cfg = C.from_flags(C.TrainConfig, a, C.load_section(a.config, "train") if a.config else None)
-        with RunLock(a.out) if rank == 0 else nullcontext():
-            train(cfg, a.hidden, a.verifier, a.out, verifier_name=a.verifier_name, restart_on_mismatch=a.restart_on_mismatch)
+        run(cfg, a.hidden, a.verifier, a.out, a.verifier_name, a.restart_on_mismatch)
     except (ValueError, FileNotFoundError, LockedError) as e:
         print(f"eagle3 train (rank {rank}): error: {e}", file=sys.stderr)
         return 2
