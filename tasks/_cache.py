@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CachePolicy
 
 from eagle3.atomic import sha256_json
@@ -32,3 +33,10 @@ class ContentKey(CachePolicy):
 def content_policy(stage: str, fingerprints: Callable[[dict[str, Any]], dict[str, Any]]) -> CachePolicy:
     """Content key + the task's own source (an edited task body is a new key)."""
     return ContentKey(stage=stage, fingerprints=fingerprints) + TASK_SOURCE
+
+
+def stage_task(stage: str, key: Callable[[dict[str, Any]], dict[str, Any]], retries: int, delay: int, **kw: Any):
+    """The @task of a stage: named after it (also in the UI's task-run list), content-keyed, with explicit
+    retries. `delay` is one number of seconds: the UI shows a list of delays as "None"."""
+    return task(name=stage, task_run_name=stage, cache_policy=content_policy(stage, key), retries=retries,
+                retry_delay_seconds=delay, **kw)

@@ -5,13 +5,13 @@ import base64
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.manifests import EvalReport
 from eagle3.config import EvalConfig
 from eagle3.eval.run import evaluate, inputs
-from tasks._cache import content_policy
+from tasks._cache import stage_task
 
 
 def _key(i: dict[str, Any]) -> dict[str, Any]:
@@ -65,13 +65,7 @@ def publish(m: EvalReport, out: str) -> None:
     create_markdown_artifact(report_markdown(m, out), key="eval-report", description="eagle3 eval: report and plot")
 
 
-@task(
-    name="eval",
-    task_run_name="eval",
-    cache_policy=content_policy("eval", _key),
-    retries=1,
-    retry_delay_seconds=10,
-)
+@stage_task("eval", _key, retries=1, delay=10)
 def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
     log = get_run_logger()

@@ -4,14 +4,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from eagle3.manifests import HiddenStates
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
 from eagle3.extract.run import inputs
-from tasks._cache import content_policy
+from tasks._cache import stage_task
 from tasks._faults import fail_once
 from tasks._gpus import hold_gpus
 
@@ -49,13 +49,7 @@ def publish(m: HiddenStates, out: str) -> None:
     create_table_artifact(stats_table(m), key="extract-stats", description="eagle3 extract: tokens, tok/s, bytes, shards")
 
 
-@task(
-    name="extract",
-    task_run_name="extract",
-    cache_policy=content_policy("extract", _key),
-    retries=2,
-    retry_delay_seconds=10,  # one number: the UI shows a list of delays as "None"
-)
+@stage_task("extract", _key, retries=2, delay=10)
 def extract_task(
     model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
     trust_remote_code: bool = False,

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from eagle3.manifests import PreparedData
 from eagle3.config import PrepareConfig
 from eagle3.data.prepare import inputs, prepare
-from tasks._cache import content_policy
+from tasks._cache import stage_task
 
 
 def _key(i: dict[str, Any]) -> dict[str, Any]:
@@ -42,13 +42,7 @@ def publish(m: PreparedData, out: str) -> None:
     create_table_artifact(counts_table(m), key="prepare-counts", description="eagle3 prepare: counts")
 
 
-@task(
-    name="prepare",
-    task_run_name="prepare",
-    cache_policy=content_policy("prepare", _key),
-    retries=2,
-    retry_delay_seconds=5,  # one number: the UI shows a list of delays as "None"
-)
+@stage_task("prepare", _key, retries=2, delay=5)
 def prepare_task(model: str, out: str, cfg: PrepareConfig, trust_remote_code: bool = False) -> PreparedData:
     """Render, mask and tokenize the conversations; build the draft vocab map."""
     log = get_run_logger()

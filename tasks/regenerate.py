@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -16,7 +16,7 @@ from prefect.artifacts import (
 from eagle3.manifests import RegeneratedData
 from eagle3.config import PipelineConfig, PrepareConfig, RegenConfig
 from eagle3.regenerate.run import FORMAT, inputs, regenerate
-from tasks._cache import content_policy
+from tasks._cache import stage_task
 
 
 def _key(i: dict[str, Any]) -> dict[str, Any]:
@@ -54,13 +54,7 @@ def samples_markdown(m: RegeneratedData) -> str:
     return "\n".join(md)
 
 
-@task(
-    name="regenerate",
-    task_run_name="regenerate",
-    cache_policy=content_policy("regenerate", _key),
-    retries=2,
-    retry_delay_seconds=10,  # one number: the UI shows a list of delays as "None"
-)
+@stage_task("regenerate", _key, retries=2, delay=10)
 def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig, trust_remote_code: bool = False) -> RegeneratedData:
     """Rewrite every assistant turn of `data` with the target (a retry resumes at the last committed chunk)."""
     log = get_run_logger()

@@ -11,14 +11,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.manifests import TrainedDraft
 from eagle3.config import TrainConfig
 from eagle3.train.__main__ import command
 from eagle3.train.loop import inputs
-from tasks._cache import content_policy
+from tasks._cache import stage_task
 from tasks._gpus import hold_gpus
 
 
@@ -88,8 +88,7 @@ def publish(m: TrainedDraft, out: str) -> None:
     create_markdown_artifact(summary_markdown(m, out), key="train-summary", description="eagle3 train: summary")
 
 
-@task(name="train", task_run_name="train", cache_policy=content_policy("train", _key), retries=2,
-      retry_delay_seconds=10, retry_condition_fn=_retry)
+@stage_task("train", _key, retries=2, delay=10, retry_condition_fn=_retry)
 def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "") -> TrainedDraft:
     """Train the draft under torchrun; a retry resumes from the last checkpoint."""
     log = get_run_logger()

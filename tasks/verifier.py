@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
 from eagle3.manifests import VerifierWeights
 from eagle3.verifier import extract_verifier, inputs
-from tasks._cache import content_policy
+from tasks._cache import stage_task
 
 
 def _key(i: dict[str, Any]) -> dict[str, Any]:
@@ -22,8 +22,7 @@ def publish(m: VerifierWeights, out: str) -> None:
     """Nothing to show beyond the log line: the verifier is three tensors of the target."""
 
 
-@task(name="verifier", task_run_name="verifier", cache_policy=content_policy("verifier", _key), retries=2,
-      retry_delay_seconds=5)
+@stage_task("verifier", _key, retries=2, delay=5)
 def verifier_task(model: str, prepared: str, out: str) -> VerifierWeights:
     """Read the target's embedding, final norm and lm_head (plus the draft-vocab rows)."""
     m = extract_verifier(model, prepared, out)
