@@ -1,10 +1,7 @@
-"""The `eagle3` library commands. Each subcommand's flags are generated from its stage config (the
-field descriptions are the help text, as in the Prefect form) plus the few that are not config fields
-(--model, --out, ...); each calls one library function with the config whole.
-
-User errors (bad input, missing files) print one line `eagle3 <cmd>: error: ...` and exit 2;
-no traceback. Set EAGLE3_DEBUG=1 to see the traceback. `eagle3 run` (the whole pipeline as a
-Prefect flow) is added by `flows/cli.py`, the installed entry point: this library imports no flows.
+"""The `eagle3` library commands: flags generated from each stage's config (field descriptions as help,
+as in the Prefect form) plus the few that are not config fields; each calls one library function with
+the config whole. A user error prints one line `eagle3 <cmd>: error: ...` and exits 2 (EAGLE3_DEBUG=1:
+traceback). `eagle3 run` is added by flows/cli.py, the installed entry point: the library imports no flows.
 """
 from __future__ import annotations
 
@@ -106,9 +103,7 @@ def _regenerate(a) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if a.threads:
-        import torch
-
-        torch.set_num_threads(a.threads)
+        __import__("torch").set_num_threads(a.threads)
 
     def progress(p: dict) -> None:
         print(f"regenerate: {p['records_read']} records read, {p['records_written']} written, "
@@ -168,8 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def one_line(e: BaseException) -> str:
-    """The error as one line: a pydantic ValidationError lists each field, its problem and the value
-    given (its own text spans lines and ends in a URL)."""
+    """The error as one line (a pydantic ValidationError: each field, its problem and the value given)."""
     from pydantic import ValidationError
 
     if isinstance(e, ValidationError):
