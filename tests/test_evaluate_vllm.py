@@ -77,7 +77,6 @@ def fake_vllm(tiny_llama_dir):
     """`vllm.LLM` / `SamplingParams` on CPU: greedy with our HF target, speculative with our draft
     loader + proposer, counters kept like vLLM's Prometheus registry (a new engine's logger
     unregisters the old metrics, so the registry holds the newest engine's counters)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle3.eval.decode import DraftProposer, Stats, TargetLM, greedy_generate, speculative_generate
     from eagle3.formats import load_draft

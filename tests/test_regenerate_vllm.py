@@ -67,7 +67,7 @@ def test_stop_tokens_kept_or_not_by_vllm_give_the_same_file(tmp_path, tiny_llama
     """A stop id the model really emits (set in generation_config): vLLM may return it or not; hf never does."""
     import shutil
 
-    from eagle3.target import Target, prompt_ids
+    from eagle3.target import Target
 
     src = write_source(tmp_path / "src.jsonl", 3)
     regenerate(tiny_llama_dir, str(src), tmp_path / "probe", RegenConfig(max_new_tokens=6))
