@@ -1,7 +1,10 @@
 """`eagle3 verify DIR`: check every stage dir under DIR against its manifest's checksums.
 
-Each file a manifest lists is re-hashed; a missing, truncated or altered file is named. The
-result is one line per stage plus one per bad file; the exit status is 1 if anything is wrong.
+Each file a manifest lists is checked against its sha256; a missing, truncated or altered file is
+named. The result is one line per stage plus one per bad file; the exit status is 2 if anything is
+wrong. A file whose identity (size, mtime, ctime, inode) is unchanged since this host last hashed it
+is not read again (`sha256_file_cached`); `--deep` re-reads every byte, which is what catches bit rot
+on a disk that changed no metadata, and refreshes this host's stamps.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.atomic import sha256_file
+from eagle3.atomic import sha256_file_cached
 
 
 @dataclass
@@ -38,32 +41,32 @@ def _files(kind: str, d: Path, m: dict) -> list[tuple[Path, str]]:
     return out
 
 
-def verify_dir(d: Path) -> Finding:
+def verify_dir(d: Path, deep: bool = False) -> Finding:
     m = json.loads((d / "manifest.json").read_text())
     f = Finding(d, m.get("kind", "?"))
     for path, digest in _files(f.kind, d, m):
         f.checked += 1
         if not path.is_file():
             f.bad.append(f"{path}: missing")
-        elif sha256_file(path) != digest:
+        elif sha256_file_cached(path, rehash=deep) != digest:
             f.bad.append(f"{path}: sha256 differs from the manifest (corrupt or truncated)")
     if f.kind == "train":
         from eagle3.train import checkpoint as ckpt
 
         for c in ckpt.step_dirs(d) + ([d / ckpt.CKPT_DIR / ckpt.BEST] if (d / ckpt.CKPT_DIR / ckpt.BEST).is_dir() else []):
             f.checked += 1
-            if why := ckpt.problem(c):
+            if why := ckpt.problem(c, rehash=deep):
                 f.bad.append(f"{why} (a resume skips this checkpoint)")
     if f.kind == "eval" and not (d / "report.json").is_file():
         f.bad.append(f"{d / 'report.json'}: missing")
     return f
 
 
-def verify_tree(root: str | Path) -> list[Finding]:
+def verify_tree(root: str | Path, deep: bool = False) -> list[Finding]:
     root = Path(root)
     if not root.exists():
         raise ValueError(f"{root} does not exist")
     dirs = sorted({p.parent for p in root.rglob("manifest.json") if ".tmp" not in str(p) and "checkpoints" not in p.parts})
     if not dirs:
         raise ValueError(f"{root}: no stage manifest (manifest.json) found")
-    return [verify_dir(d) for d in dirs]
+    return [verify_dir(d, deep) for d in dirs]

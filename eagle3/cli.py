@@ -87,7 +87,7 @@ def _verify(a) -> None:
     from eagle3.checksums import verify_tree
 
     bad = 0
-    for f in verify_tree(a.dir):
+    for f in verify_tree(a.dir, deep=a.deep):
         print(f"{'OK ' if not f.bad else 'BAD'} {f.kind:<9} {f.stage_dir} ({f.checked} files checked)")
         for b in f.bad:
             print(f"    {b}")
@@ -139,7 +139,9 @@ COMMANDS = {
              [MODEL, ("--draft", dict(required=True, help="draft dir: our final/, a native vLLM EAGLE-3 dir or a speculators dir")),
               OUT, TRUST]),
     "verify": ("check every stage dir under DIR against its manifest checksums", _verify, None, {},
-               [("dir", dict(help="a run dir (or one stage dir)"))]),
+               [("dir", dict(help="a run dir (or one stage dir)")),
+                ("--deep", dict(action="store_true", help="re-read every byte, even of files this host already "
+                                "hashed at their current identity (size, mtime, ctime, inode)"))]),
     "regenerate": ("stage 0 (optional): rewrite every assistant turn with the target itself", _regenerate, C.RegenConfig,
                    {"tensor_parallel_size": "--tp"},
                    [MODEL, ("--data", dict(required=True, help="ShareGPT JSON, JSONL, Parquet, HF datasets dir, or 'sharegpt'")),

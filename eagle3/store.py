@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eagle3.atomic import atomic_path, sha256_file, sha256_json
+from eagle3.atomic import atomic_path, sha256_file_cached, sha256_json
 
 FORMAT_VERSION = 1
 META_KEY = "eagle3"
@@ -203,7 +203,7 @@ class ShardWriter:
             # their order in the header (and so the shard's bytes) could change from run to run.
             save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True)})
         self._rec.clear()
-        return sha256_file(final)
+        return sha256_file_cached(final)  # also this host's stamp: the trainer's ranks need not hash it again
 
 
 def plan_key(common: dict[str, Any], sample_ids: list[str]) -> str:
@@ -237,7 +237,8 @@ def shard_meta(path: str | os.PathLike) -> dict[str, Any] | None:
 def shard_problem(path: str | os.PathLike, sha256: str | None = None) -> str | None:
     """Why the shard at `path` cannot be used (missing, truncated, or not the bytes `sha256` names), or None.
 
-    Without a checksum only the header is checked against the file size, which catches truncation."""
+    Without a checksum only the header is checked against the file size, which catches truncation.
+    The sha256 is computed once per file identity on this host (`sha256_file_cached`)."""
     path = Path(path)
     if not path.is_file():
         return f"{path}: missing"
@@ -249,7 +250,7 @@ def shard_problem(path: str | os.PathLike, sha256: str | None = None) -> str | N
     size = path.stat().st_size
     if start + end != size:
         return f"{path}: truncated or padded ({size} bytes, its header says {start + end})"
-    if sha256 is not None and sha256_file(path) != sha256:
+    if sha256 is not None and sha256_file_cached(path) != sha256:
         return f"{path}: sha256 differs from the manifest (corrupt)"
     return None
 
@@ -313,8 +314,9 @@ class HiddenStateStore(Sequence):
 
     def _shard(self, k: int) -> dict[str, torch.Tensor]:
         if k not in self._shards:
-            # Checked against the manifest once per process, before any of its bytes is trusted:
-            # a flipped bit would otherwise train silently on garbage.
+            # Checked against the manifest before any of its bytes is trusted (a flipped bit would
+            # otherwise train silently on garbage): hashed once per host and file identity, so the
+            # other ranks, retries and later runs find this host's stamp instead of re-reading it.
             info = self.manifest.shards[k]
             bad = shard_problem(self.root / info.file, info.sha256)
             if bad:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from eagle3.manifests import PreparedData, TensorInfo, VerifierWeights
-from eagle3.atomic import atomic_path, sha256_file
+from eagle3.atomic import atomic_path, sha256_file, sha256_file_cached
 from eagle3.target import INDEX, Target
 
 OUT_FILE = "verifier.safetensors"
@@ -37,7 +37,7 @@ def load_vocab_map(prepared_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor
     path = Path(prepared_dir) / prep.vocab_map.file
     if not path.is_file():
         raise FileNotFoundError(f"{path}: vocab map named by the prepare manifest is missing")
-    if sha256_file(path) != prep.vocab_map.sha256:
+    if sha256_file_cached(path) != prep.vocab_map.sha256:
         raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
     t = load_file(path)
     for key in ("d2t", "t2d"):

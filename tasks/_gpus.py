@@ -1,9 +1,16 @@
 """The `gpus` global concurrency limit, held by the stages that use the GPU host's devices."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 
+from prefect.client.orchestration import ServerType, get_client
 from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectNotFound
+
+LIMIT = "gpus"
 
 
 def gpu_slots() -> int:
@@ -15,6 +22,42 @@ def gpu_slots() -> int:
     return len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]) or 1
 
 
-def hold_gpus():
-    """Wait for, then hold, `gpu_slots()` slots of the `gpus` limit; a no-op where no such limit exists."""
-    return concurrency("gpus", occupy=gpu_slots(), strict=False)
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    from prefect import get_run_logger
+
+    try:
+        return get_run_logger()
+    except Exception:  # outside a flow or task run
+        return logging.getLogger("eagle3")
+
+
+@contextlib.contextmanager
+def hold_gpus() -> Iterator[None]:
+    """Wait for, then hold, `gpu_slots()` slots of the `gpus` limit while the block runs.
+
+    Without such a limit nothing is held. Embedded (`eagle3 run`: a temporary server only this
+    process uses) that is expected and logged at DEBUG. On a real server it means concurrent runs
+    may share the devices: a WARNING that says how to create the limit. Anything else -- the
+    server unreachable or refusing our credentials, more slots asked than the limit has, the
+    limit deleted between the check and the acquisition (`strict`) -- raises.
+    """
+    n = gpu_slots()
+    with get_client(sync_client=True) as c:
+        try:
+            c.read_global_concurrency_limit_by_name(LIMIT)
+            exists = True
+        except ObjectNotFound:
+            exists = False
+        embedded, url = c.server_type == ServerType.EPHEMERAL, str(c.api_url)
+    if not exists:
+        if embedded:
+            _logger().debug("no %r concurrency limit on the embedded Prefect server: this run's GPU stages run "
+                            "without one (nothing else uses this server)", LIMIT)
+        else:
+            _logger().warning("no %r concurrency limit on the Prefect server at %s: GPU stages of concurrent runs "
+                              "are not kept apart; create it with `python deployments/setup.py --gpus N` "
+                              "(N = devices on the GPU host)", LIMIT, url)
+        yield
+        return
+    with concurrency(LIMIT, occupy=n, strict=True):
+        yield

@@ -12,6 +12,7 @@ from eagle3.manifests import EvalReport
 from eagle3.config import EvalConfig
 from eagle3.eval.run import evaluate, inputs
 from tasks._cache import stage_task
+from tasks._gpus import hold_gpus
 
 
 def _key(i: dict[str, Any]) -> dict[str, Any]:
@@ -69,8 +70,9 @@ def publish(m: EvalReport, out: str) -> None:
 def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
     log = get_run_logger()
-    m = evaluate(model, draft, out, cfg, progress=lambda i, n: log.info("eval: %d/%d prompts", i, n),
-                 trust_remote_code=trust_remote_code)
+    with hold_gpus():  # the target and the draft on the GPU host's devices
+        m = evaluate(model, draft, out, cfg, progress=lambda i, n: log.info("eval: %d/%d prompts", i, n),
+                     trust_remote_code=trust_remote_code)
     log.info("eval (%s): tau %.3f at k=%d, lossless %s, %s tok/s, speedup %s over greedy", m.mode,
              m.acceptance_length, m.k, m.lossless, _r(m.tokens_per_second, 2), _r(m.speedup_vs_target, 3))
     return m

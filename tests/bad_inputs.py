@@ -175,6 +175,32 @@ def foreign_checkpoint(w: Path, b: Base) -> list[str]:
     return train_cmd(w, b)
 
 
+class _RunsCode:
+    """A pickled object whose unpickling would call os.system (creating `marker`)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def pickled_checkpoint(w: Path, b: Base) -> list[str]:
+    """--out holds a checkpoint whose state.pt carries a pickled object (meta.json's checksum fixed to match)."""
+    from eagle3.atomic import sha256_file
+    from eagle3.train import checkpoint as ckpt
+
+    d = ckpt.save(w / "out", "step-00000001", {"fc.weight": torch.zeros(2, 2)}, {"pos": {}},
+                  {"config": {}, "inputs": {}, "step": 1})
+    torch.save({"pos": {}, "rng": _RunsCode(w / "code-ran")}, d / "state.pt")
+    meta = json.loads((d / "meta.json").read_text())
+    meta["files"]["state.pt"] = sha256_file(d / "state.pt")
+    (d / "meta.json").write_text(json.dumps(meta))
+    return train_cmd(w, b)
+
+
 def foreign_init(w: Path, b: Base) -> list[str]:
     """--init-from an exported draft of another config: right vocab map, other layer shapes."""
     d2t = load_file(str(b.ver / "verifier.safetensors"))["d2t"]
@@ -285,6 +311,8 @@ CASES: list[Case] = [
          r"vocab_map\.safetensors: vocab map named by the prepare manifest is missing"),
     # ---- train
     Case("checkpoint_of_another_draft_config", "train", foreign_checkpoint, r"step-00000001: checkpoint of a different config"),
+    Case("checkpoint_carrying_pickled_object", "train", pickled_checkpoint,
+         r"step-00000001/state\.pt: refused, it carries pickled Python objects \(.*posix\.system"),
     Case("init_from_another_draft_config", "train", foreign_init, r"init_from: .*other has other shapes for \['fc\.weight'\]"),
     Case("verifier_of_another_target", "train", other_target_verifier, r"verifier hidden size 4096"),
     Case("hidden_state_shard_corrupt", "train",

@@ -3,6 +3,7 @@ isolated Prefect harness."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ SMOLLM2 = REPO / "assets" / "smollm2"
 
 # Keep Prefect off the user's home and quiet, for every test process and its children.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# ... and eagle3's sha256 stamps: a test never trusts (or leaves) a stamp of another session.
+os.environ["EAGLE3_CACHE_DIR"] = tempfile.mkdtemp(prefix="eagle3-test-cache-")
 
 
 @pytest.fixture(scope="session")

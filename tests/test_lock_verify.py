@@ -77,13 +77,82 @@ def test_verify_names_corrupt_truncated_and_missing_files(tmp_path, smollm2_dir)
     assert sum(ln.startswith("    ") for ln in bad.stdout.splitlines()) == 3  # only those three
 
 
-def test_sha256_cache_survives_processes_and_follows_rewrites(tmp_path, monkeypatch):
-    from eagle3.atomic import sha256_file, sha256_file_cached
+HASH_ONCE = """
+import sys, time
+from pathlib import Path
+import eagle3.atomic as a
+real, n = a.sha256_file, []
+a.sha256_file = lambda p: n.append(p) or real(p)
+while not Path(sys.argv[2]).exists():
+    time.sleep(0.005)
+d = a.sha256_file_cached(sys.argv[1])
+print(len(n), d)
+"""
+
+
+def test_sha256_stamp_hashes_once_per_host_across_concurrent_processes(tmp_path, monkeypatch):
+    """Four processes (a trainer's ranks) verify one file at the same moment: one reads it, the others
+    wait for its stamp; a later process reads nothing."""
+    from eagle3.atomic import sha256_file
 
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "shard.bin"
+    f.write_bytes(os.urandom(1 << 20) * 96)  # 96 MiB: hashing takes long enough for all four to ask at once
+    go = tmp_path / "go"
+    ps = [subprocess.Popen([sys.executable, "-c", HASH_ONCE, str(f), str(go)], stdout=subprocess.PIPE, text=True,
+                           cwd=REPO) for _ in range(4)]
+    time.sleep(2)  # all four import and wait for `go`
+    go.touch()
+    outs = [p.communicate(timeout=120)[0].split() for p in ps]
+    want = sha256_file(f)
+    assert sorted(int(n) for n, _ in outs) == [0, 0, 0, 1] and {d for _, d in outs} == {want}
+    later = subprocess.run([sys.executable, "-c", HASH_ONCE, str(f), str(go)], capture_output=True, text=True,
+                           cwd=REPO)
+    assert later.stdout.split() == ["0", want]
+
+
+def test_sha256_stamp_follows_every_change_of_the_file(tmp_path, monkeypatch):
+    import eagle3.atomic as a
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list = []
+    real = a.sha256_file
+    monkeypatch.setattr(a, "sha256_file", lambda p: calls.append(p) or real(p))
     f = tmp_path / "w.bin"
     f.write_bytes(b"a" * 1000)
-    assert sha256_file_cached(f) == sha256_file(f)
-    assert len(json.loads((tmp_path / "cache" / "sha256.json").read_text())) == 1
-    f.write_bytes(b"b" * 1001)  # a rewrite changes size/mtime: a new key, a fresh hash
-    assert sha256_file_cached(f) == sha256_file(f)
+    assert a.sha256_file_cached(f) == real(f) and len(calls) == 1
+    assert a.sha256_file_cached(f) == real(f) and len(calls) == 1  # the stamp answers
+    st = f.stat()
+    time.sleep(0.05)
+    f.write_bytes(b"b" * 1000)  # same size, then the old mtime put back: the ctime still moved
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert a.sha256_file_cached(f) == real(f) == a.sha256_bytes(b"b" * 1000) and len(calls) == 2
+    g = tmp_path / "g.bin"
+    g.write_bytes(b"c" * 1000)
+    os.replace(g, f)  # another inode at the same path
+    assert a.sha256_file_cached(f) == a.sha256_bytes(b"c" * 1000) and len(calls) == 3
+    assert a.sha256_file_cached(f, rehash=True) == a.sha256_bytes(b"c" * 1000) and len(calls) == 4
+
+
+def test_verify_reads_only_what_changed_unless_deep(tmp_path, smollm2_dir, monkeypatch):
+    import eagle3.atomic as a
+    from eagle3.config import PrepareConfig
+    from eagle3.data.prepare import prepare
+    from eagle3.verify import verify_tree
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    prepare(smollm2_dir, run / "prepare", PrepareConfig(data="sharegpt", limit=30, max_len=128, shard_samples=8,
+                                                        draft_vocab=256), progress=False)
+    calls: list = []
+    real = a.sha256_file
+    monkeypatch.setattr(a, "sha256_file", lambda p: calls.append(p) or real(p))
+    (f,) = verify_tree(run)
+    n = f.checked
+    assert n >= 4 and not f.bad and len(calls) == n  # first look on this host: every file read
+    assert not verify_tree(run)[0].bad and len(calls) == n  # unchanged: no byte read again
+    assert not verify_tree(run, deep=True)[0].bad and len(calls) == 2 * n  # --deep: every byte again
+    shard = sorted((run / "prepare").glob("train-*.parquet"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    (f,) = verify_tree(run)
+    assert len(calls) == 2 * n + 1 and f.bad == [f"{shard}: sha256 differs from the manifest (corrupt or truncated)"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.atomic import sha256_file
+from eagle3.atomic import sha256_file_cached
 from eagle3.manifests import PreparedData
 
 SCHEMA = pa.schema([
@@ -28,7 +28,7 @@ def read_split(prepared: str | Path, split: str) -> pa.Table:
     tables = []
     for info in m.splits.get(split, []):
         path = Path(prepared) / info.file
-        if sha256_file(path) != info.sha256:
+        if sha256_file_cached(path) != info.sha256:
             raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
         tables.append(pq.read_table(path))
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()

@@ -78,7 +78,7 @@ def load_samples(prepared_dir: str | Path, prep: PreparedData, splits: Sequence[
             path = Path(prepared_dir) / info.file
             if not path.is_file():
                 raise ValueError(f"{path}: prepared shard listed in the manifest is missing")
-            if sha256_file(path) != info.sha256:
+            if sha256_file_cached(path) != info.sha256:
                 raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
             t = pq.read_table(path, columns=["sample_id", "input_ids", "loss_mask"])
             n_ids = pc.list_value_length(t["input_ids"]).to_pylist()
@@ -249,7 +249,7 @@ def run_extract(
     try:
         for p in plans:
             if p.file in committed:
-                shard_sha[p.file] = known.get(p.file) or sha256_file(out / p.file)  # a known one was just checked
+                shard_sha[p.file] = known.get(p.file) or sha256_file_cached(out / p.file)  # a known one was just checked
                 continue
             w = ShardWriter(p, n_aux, hidden, cfg.storage)
             todo = []
