@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 
 from prefect.client.orchestration import ServerType, get_client
@@ -57,7 +58,25 @@ def hold_gpus() -> Iterator[None]:
             _logger().warning("no %r concurrency limit on the Prefect server at %s: GPU stages of concurrent runs "
                               "are not kept apart; create it with `python deployments/setup.py --gpus N` "
                               "(N = devices on the GPU host)", LIMIT, url)
-        yield
+        with _in_use(n, held=False):
+            yield
         return
-    with concurrency(LIMIT, occupy=n, strict=True):
+    with concurrency(LIMIT, occupy=n, strict=True), _in_use(n, held=True):
         yield
+
+
+@contextlib.contextmanager
+def _in_use(slots: int, held: bool) -> Iterator[None]:
+    """Events `eagle3.gpus.start` / `eagle3.gpus.end` around the GPU work itself (Prefect adds the task and
+    flow run): the intervals the server's event log can show never overlap, unlike the limit's own
+    acquired/released events, which are sent after the server call and so may straddle a hand-over."""
+    from prefect.events import emit_event
+
+    resource = {"prefect.resource.id": f"eagle3.gpus.{socket.gethostname()}", "prefect.resource.name": LIMIT,
+                "slots": str(slots), "limit-held": str(held).lower(),
+                "devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+    start = emit_event("eagle3.gpus.start", resource=resource)
+    try:
+        yield
+    finally:
+        emit_event("eagle3.gpus.end", resource=resource, follows=start)

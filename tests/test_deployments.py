@@ -7,117 +7,70 @@ One test, in order (each run builds on the last):
   B. the same parameters again: every stage is served from the cache;
   C. eagle3-nightly seeded with run A, one conversation added: only that sample is extracted,
      training warm-starts from A's draft with A's vocab map, and the promotion decision is an artifact.
-B and C run their stages in the cpu worker's flow run (EAGLE3_GPU_DEPLOYMENT="" per run), which
-keeps the test under 3 minutes; A covers the hop.
+  D. load, with the `gpus` limit at 1: three runs submitted at once queue on it (their GPU stages never
+     overlap, by the server's events), a second run on a busy run dir is refused naming the holder, and
+     every output equals the same run done alone (benchmarks/load.py is the larger drill).
+B, C and D run their stages in the cpu worker's flow runs (EAGLE3_GPU_DEPLOYMENT="" per run); A covers
+the hop. The server has basic auth on throughout.
 """
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
+import shutil
 import subprocess
-import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+import prefect_service as ps
 import pytest
+from prefect_service import BIN, STAGES, checksums, events, gpu_intervals, logs, overlaps, submit, trigger, wait
 
 from eagle3.atomic import sha256_file
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-STAGES = ["prepare", "extract", "verifier", "train", "eval"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(cmd: list[str], env: dict, log: Path, **kw) -> subprocess.Popen:
-    """A process in its own session (so its whole group can be stopped), output to `log`."""
-    with open(log, "w") as f:
-        return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, **kw)
-
-
-def _stop(p: subprocess.Popen) -> None:
-    """SIGTERM the process group, SIGKILL it if it lingers."""
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-
 
 @pytest.fixture(scope="module")
 def service(request, tmp_path_factory):
-    """`prefect server start` on loopback, pools + limit from deployments/setup.py, one worker per pool, deployments."""
+    """The service (tests/prefect_service.py) with basic auth on: every client below holds the credentials,
+    as the README's multi-host set-up does. The gpu worker fails extraction once (EAGLE3_FAIL_ONCE)."""
     home = tmp_path_factory.mktemp("prefect-service")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_WORKER_QUERY_SECONDS": "1", "EAGLE3_REPO": str(REPO)}
-    env.pop("EAGLE3_FAIL_ONCE", None)
-    env.pop("EAGLE3_GPU_DEPLOYMENT", None)
-    t0 = time.time()
-    procs = [_start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                    env, home / "server.log")]
-    try:
-        request.getfixturevalue("tiny_llama_dir")  # built while the server boots
-        deadline = time.time() + 120
-        while True:
-            assert procs[0].poll() is None, (home / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "prefect server did not come up in 120 s"
-            time.sleep(0.5)
-        t_server = time.time() - t0
-        r = subprocess.run([sys.executable, "deployments/setup.py", "--gpus", "8"], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
-        # Deploy (it imports every flow) while the workers boot.
-        deploy = _start([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
-                         "deployments/prefect.yaml"], env, home / "deploy.log", cwd=REPO)
-        procs.append(deploy)
-        marker = home / "extract-failed-once"
-        for pool, extra in (("cpu", {}), ("gpu", {"EAGLE3_FAIL_ONCE": f"extract:{marker}"})):
-            procs.append(_start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", f"test-{pool}"],
-                                {**env, **extra}, home / f"worker-{pool}.log", cwd=REPO))
-        assert deploy.wait(180) == 0, (home / "deploy.log").read_text()[-4000:]
-        print(f"\nserver up in {t_server:.1f} s; pools, limit, workers and deployments in {time.time() - t0:.1f} s")
-        yield {"url": url, "home": home, "marker": marker}
-    finally:
-        for p in reversed(procs):
-            _stop(p)
+    marker = home / "extract-failed-once"
+    with ps.service(home, gpus=8, worker_env={"gpu": {"EAGLE3_FAIL_ONCE": f"extract:{marker}"}},
+                    while_booting=lambda: request.getfixturevalue("tiny_llama_dir")) as s:
+        print(f"\nserver up in {s.seconds['server']:.1f} s; pools, limit, workers and deployments in "
+              f"{s.seconds['ready']:.1f} s")
+        s.marker = marker
+        yield s
 
 
 @pytest.fixture
 def client(service):
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: service["url"]}), get_client(sync_client=True) as c:
+    with service.client() as c:
         yield c
 
 
-def trigger(client, deployment: str, parameters: dict, job_variables: dict | None = None, timeout: float = 360):
-    """Start a deployment's run through the API and wait for its final state."""
-    dep = client.read_deployment_by_name(deployment)
-    run = client.create_flow_run_from_deployment(dep.id, parameters=parameters, job_variables=job_variables)
-    deadline = time.time() + timeout
-    while not (run := client.read_flow_run(run.id)).state.is_final():
-        assert time.time() < deadline, f"{deployment}: still {run.state.name} after {timeout} s"
-        time.sleep(1)
-    return run
+def test_server_refuses_calls_without_the_credentials(service):
+    """Basic auth is on: no credentials or wrong ones get 401 on the API (REST and the Prefect client); only
+    the health probe answers anyone. The right ones are accepted (the runs below use them throughout)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    url, auth = service.url, service.auth
+    user = auth.split(":")[0]
+    assert httpx.post(f"{url}/deployments/filter", json={}).status_code == 401
+    assert httpx.post(f"{url}/deployments/filter", json={}, auth=(user, "wrong")).status_code == 401
+    assert httpx.post(f"{url}/work_pools/", json={"name": "intruder", "type": "process"}).status_code == 401
+    assert httpx.get(f"{url}/health").status_code == 200
+    ok = httpx.post(f"{url}/deployments/filter", json={}, auth=tuple(auth.split(":", 1)))
+    assert ok.status_code == 200 and {d["name"] for d in ok.json()} >= {"eagle3-pipeline", "extract-gpu"}
+    with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: None}), \
+            get_client(sync_client=True) as c, pytest.raises(httpx.HTTPStatusError, match="401"):
+        c.read_work_pools()
+    r = subprocess.run([str(BIN / "prefect"), "work-pool", "ls"], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in service.env.items() if k != "PREFECT_API_AUTH_STRING"})
+    assert r.returncode != 0 and "401" in r.stdout + r.stderr
 
 
 def subflows(client, run) -> list:
@@ -142,23 +95,13 @@ def artifacts(client, run) -> dict:
     return {a.key: a for a in arts if a.key}
 
 
-def logs(client, run) -> str:
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    return "\n".join(x.message for x in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))))
-
-
-def gpu_slot_events(client, phase: str, expect: int = 5, timeout: float = 30) -> dict[str, int]:
+def gpu_slot_events(client, phase: str, expect: int, timeout: float = 30) -> dict[str, int]:
     """Slots taken (or given back) per acquisition of the `gpus` limit, from the server's event log."""
     from collections import Counter
 
-    from prefect.events.filters import EventFilter, EventNameFilter
-
     deadline = time.time() + timeout
     while True:  # the server persists events in batches
-        flt = EventFilter(event=EventNameFilter(name=[f"prefect.concurrency-limit.{phase}"]))
-        page = client.read_events(flt, limit=50)  # the server's maximum (the client's default, 100, is refused)
-        slots = Counter(e.resource["slots-acquired"] for e in page.events
+        slots = Counter(e.resource["slots-acquired"] for e in events(client, [f"prefect.concurrency-limit.{phase}"])
                         if e.resource.get("prefect.resource.name") == "gpus")
         if sum(slots.values()) >= expect or time.time() > deadline:
             return dict(slots)
@@ -226,7 +169,7 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     assert runs_a["extract"].run_count == 2, "the injected failure must show as one retry"
     assert {s: runs_a[s].run_count for s in STAGES if s != "extract"} == dict.fromkeys(["prepare", "verifier",
                                                                                        "train", "eval"], 1)
-    assert service["marker"].is_file()
+    assert service.marker.is_file()
     hidden = HiddenStates.read(cfg.stage_dir("extract"))
     # The retry resumed: shards committed before the failure were kept, only the rest computed.
     assert len(hidden.shards) >= 6 and 1 <= hidden.stats["shards_skipped"] < len(hidden.shards)
@@ -292,11 +235,66 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
         assert json.loads((root / "promoted.json").read_text())["tau"] == new_tau
     t_c = time.time() - t0 - t_a - t_b
 
-    # The `gpus` limit: held by extraction (both attempts) and training, all 8 slots on the gpu pool
+    # The `gpus` limit: held by extraction (both attempts), training and eval, all 8 slots on the gpu pool
     # (its 8 visible devices), 1 slot where the stages ran on the cpu pool; every slot given back.
-    assert gpu_slot_events(client, "acquired") == gpu_slot_events(client, "released") == {"8": 3, "1": 2}
+    assert gpu_slot_events(client, "acquired", 7) == gpu_slot_events(client, "released", 7) == {"8": 4, "1": 3}
     assert client.read_global_concurrency_limit_by_name("gpus").active_slots == 0
-    print(f"\nrun A (hop + retry) {t_a:.1f} s, run B (cached) {t_b:.1f} s, nightly {t_c:.1f} s")
+    t_d = load_drill(service, client, cfg, night_params, night_dir)
+    print(f"\nrun A (hop + retry) {t_a:.1f} s, run B (cached) {t_b:.1f} s, nightly {t_c:.1f} s, load drill {t_d:.1f} s")
+
+
+def load_drill(service, client, cfg: PipelineConfig, night_params: dict, night_dir: Path) -> float:
+    """D. With the `gpus` limit at 1 (a one-GPU host), submitted at once: A's config in a new run dir, a
+    variant (another draft vocab, fp8 storage, k=3 training), and C's nightly in a new root; every stage in
+    the cpu worker's flow runs, one slot each. While the first holds its run dir, a second run on that dir
+    is refused, naming the holder. From the server's events: the GPU stages never overlapped. Outputs:
+    equal to the same runs done alone (A, C, and the variant run alone afterwards)."""
+    t0 = time.time()
+    service.setup(1)  # deployments/setup.py --gpus 1
+    since = datetime.now(timezone.utc)
+    tmp = Path(cfg.run_dir).parent
+    local = {"env": {"EAGLE3_GPU_DEPLOYMENT": ""}}
+    data_a = tmp / "data-a"  # the conversations as A read them (C added one since)
+    data_a.mkdir()
+    shutil.copy(Path(cfg.prepare.data) / "day1.jsonl", data_a)
+    prep_a = cfg.prepare.model_copy(update={"data": str(data_a)})
+    same = cfg.model_copy(update={"run_dir": str(tmp / "load-same"), "prepare": prep_a})
+    variant = cfg.model_copy(update={
+        "run_dir": str(tmp / "load-variant"), "prepare": prep_a.model_copy(update={"draft_vocab": 192}),
+        "extract": cfg.extract.model_copy(update={"storage": "fp8"}),
+        "train": cfg.train.model_copy(update={"ttt_steps": 3})})
+    night = {"config": {**night_params["config"], "root": str(tmp / "load-nightly")}}
+    runs = [submit(client, "eagle3-pipeline/eagle3-pipeline", {"config": c.model_dump(mode="json")}, local)
+            for c in (same, variant)] + [submit(client, "eagle3-nightly/eagle3-nightly", night, local)]
+    lock = Path(same.run_dir) / ".eagle3.lock"
+    deadline = time.time() + 120
+    while not (lock.is_file() and lock.read_text()):  # the first run holds its dir
+        assert time.time() < deadline, "the first load run never took its run dir"
+        time.sleep(0.2)
+    holder = json.loads(lock.read_text())
+    dup = submit(client, "eagle3-pipeline/eagle3-pipeline", {"config": same.model_dump(mode="json")}, local)
+    *done, dup = wait(client, [*runs, dup], timeout=600)
+    assert [r.state.name for r in done] == ["Completed"] * 3, [logs(client, r)[-2000:] for r in done]
+    assert dup.state.is_failed()
+    assert f"{same.run_dir} is in use by pid {holder['pid']} on {holder['host']}" in dup.state.message
+
+    # Nine GPU stages (extract, train, eval of three runs), one slot each, one at a time.
+    spans = gpu_intervals(client, since, expect=9)
+    assert len(spans) == 9 and {(i.slots, i.held) for i in spans} == {(1, True)}
+    assert {i.flow_run for i in spans} == {f"prefect.flow-run.{r.id}" for r in done}
+    assert overlaps(spans) == []
+    assert client.read_global_concurrency_limit_by_name("gpus").active_slots == 0
+
+    assert checksums(same.run_dir) == checksums(cfg.run_dir)  # A ran alone (with a hop and a retry)
+    (night_load,) = [p for p in (tmp / "load-nightly").iterdir() if p.is_dir()]
+    assert checksums(night_load) == checksums(night_dir)  # C ran alone
+    alone = variant.model_copy(update={"run_dir": str(tmp / "alone-variant")})
+    run = trigger(client, "eagle3-pipeline/eagle3-pipeline", {"config": alone.model_dump(mode="json")}, local)
+    assert run.state.is_completed(), logs(client, run)[-3000:]
+    assert checksums(variant.run_dir) == checksums(alone.run_dir) != checksums(same.run_dir)
+    return time.time() - t0
+
+
 
 
 def test_nightly_sources_reuse_and_promoted_draft(tmp_path):

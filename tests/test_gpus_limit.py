@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,14 @@ def _run(prefect_env, env: dict[str, str] | None = None):
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    flt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[st.state_details.flow_run_id]))
+    deadline = time.time() + 20
     with get_client(sync_client=True) as c:
-        logs = "\n".join(x.message for x in c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
-            any_=[st.state_details.flow_run_id]))))
-    return st, seen, logs
+        while True:  # logs reach the server in batches; the flow's last line comes last
+            logs = "\n".join(x.message for x in c.read_logs(flt))
+            if "Finished in state" in logs.rsplit("\n", 1)[-1] or time.time() > deadline:
+                return st, seen, logs
+            time.sleep(0.5)
 
 
 def test_server_without_the_limit_warns_with_the_fix(prefect_env):

@@ -1,0 +1,218 @@
+"""A real eagle3 service for tests/test_deployments.py and benchmarks/load.py: `prefect server start` with
+basic auth on, pools + the `gpus` limit (deployments/setup.py), deployments/prefect.yaml deployed, one
+process worker per pool; and what both read back through the API: runs, GPU intervals, output checksums.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STAGES = ["prepare", "extract", "verifier", "train", "eval"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], env: dict, log: Path, **kw) -> subprocess.Popen:
+    """A process in its own session (so its whole group can be stopped), output to `log`."""
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, **kw)
+
+
+def stop(p: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL it if it lingers."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+@dataclass
+class Service:
+    url: str
+    auth: str  # "user:password", PREFECT_SERVER_API_AUTH_STRING on the server, PREFECT_API_AUTH_STRING on clients
+    home: Path
+    env: dict[str, str]  # a client's environment: URL and credentials
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator:
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.url, PREFECT_API_AUTH_STRING: self.auth}), \
+                get_client(sync_client=True) as c:
+            yield c
+
+    def setup(self, gpus: int) -> None:
+        """deployments/setup.py: pools `cpu` and `gpu`, the `gpus` limit of `gpus` slots."""
+        r = subprocess.run([sys.executable, "deployments/setup.py", "--gpus", str(gpus)], cwd=REPO, env=self.env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+@contextlib.contextmanager
+def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | None = None,
+            while_booting: Callable[[], object] | None = None) -> Iterator[Service]:
+    """The whole service on a free loopback port, stopped (every process group) on exit."""
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    auth = f"eagle3:{secrets.token_hex(16)}"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "EAGLE3_REPO": str(REPO), "PREFECT_API_AUTH_STRING": auth}
+    for k in ("EAGLE3_FAIL_ONCE", "EAGLE3_GPU_DEPLOYMENT", "PREFECT_SERVER_API_AUTH_STRING"):
+        env.pop(k, None)
+    t0 = time.time()
+    # The server checks the credentials (PREFECT_SERVER_API_AUTH_STRING); the clients send theirs.
+    procs = [start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                   {**env, "PREFECT_SERVER_API_AUTH_STRING": auth}, home / "server.log")]
+    try:
+        if while_booting is not None:
+            while_booting()
+        deadline = time.time() + 120
+        while True:
+            assert procs[0].poll() is None, (home / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:  # the one path open to anyone
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "prefect server did not come up in 120 s"
+            time.sleep(0.5)
+        s = Service(url, auth, home, env, {"server": time.time() - t0})
+        s.setup(gpus)
+        # Deploy (it imports every flow) while the workers boot.
+        deploy = start([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
+                        "deployments/prefect.yaml"], env, home / "deploy.log", cwd=REPO)
+        procs.append(deploy)
+        for pool in ("cpu", "gpu"):
+            procs.append(start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", f"eagle3-{pool}"],
+                               {**env, **(worker_env or {}).get(pool, {})}, home / f"worker-{pool}.log", cwd=REPO))
+        assert deploy.wait(180) == 0, (home / "deploy.log").read_text()[-4000:]
+        s.seconds["ready"] = time.time() - t0
+        yield s
+    finally:
+        for p in reversed(procs):
+            stop(p)
+
+
+# ---------------------------------------------------------------- runs
+def submit(client, deployment: str, parameters: dict, job_variables: dict | None = None):
+    dep = client.read_deployment_by_name(deployment)
+    return client.create_flow_run_from_deployment(dep.id, parameters=parameters, job_variables=job_variables)
+
+
+def wait(client, runs: list, timeout: float) -> list:
+    """Poll until every flow run is in a final state; the runs as the server has them then."""
+    deadline = time.time() + timeout
+    while True:
+        now = [client.read_flow_run(r.id) for r in runs]
+        if all(r.state.is_final() for r in now):
+            return now
+        pending = [f"{r.name}: {r.state.name}" for r in now if not r.state.is_final()]
+        assert time.time() < deadline, f"still running after {timeout} s: {pending}"
+        time.sleep(1)
+
+
+def trigger(client, deployment: str, parameters: dict, job_variables: dict | None = None, timeout: float = 360):
+    """Start a deployment's run through the API and wait for its final state."""
+    return wait(client, [submit(client, deployment, parameters, job_variables)], timeout)[0]
+
+
+def logs(client, run) -> str:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    return "\n".join(x.message for x in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))))
+
+
+def events(client, names: list[str], since: datetime | None = None) -> list:
+    """Every event of these names (since `since`), oldest first, all pages."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter
+
+    flt = EventFilter(event=EventNameFilter(name=names))
+    if since is not None:
+        flt.occurred = EventOccurredFilter(since=since)
+    page = client.read_events(flt, limit=50)  # the server's maximum page (the client's default, 100, is refused)
+    out = list(page.events)
+    while page.next_page:
+        page = client.read_events_page(page.next_page)
+        out += page.events
+    return sorted(out, key=lambda e: e.occurred)
+
+
+@dataclass
+class Interval:
+    task_run: str
+    flow_run: str
+    start: datetime
+    end: datetime
+    slots: int
+    held: bool
+
+
+def gpu_intervals(client, since: datetime | None = None, expect: int = 0, timeout: float = 60) -> list[Interval]:
+    """The GPU work of every stage, from the server's event log: `eagle3.gpus.start` / `.end` (tasks/_gpus.py)
+    paired per task run. Waits up to `timeout` for `expect` intervals (the server persists events in batches)."""
+    deadline = time.time() + timeout
+    while True:
+        evs = events(client, ["eagle3.gpus.start", "eagle3.gpus.end"], since)
+        open_: dict[str, object] = {}
+        out: list[Interval] = []
+        for e in evs:
+            tr = next((r.id for r in e.related if r.id.startswith("prefect.task-run.")), "?")
+            fr = next((r.id for r in e.related if r.id.startswith("prefect.flow-run.")), "?")
+            if e.event == "eagle3.gpus.start":
+                open_[tr] = e
+            elif tr in open_:
+                s = open_.pop(tr)
+                out.append(Interval(tr, fr, s.occurred, e.occurred, int(e.resource["slots"]),
+                                    e.resource["limit-held"] == "true"))
+        if len(out) >= expect or time.time() > deadline:
+            return sorted(out, key=lambda i: i.start)
+        time.sleep(1)
+
+
+def overlaps(intervals: list[Interval]) -> list[tuple[Interval, Interval]]:
+    """Pairs of GPU intervals that overlap in time (on one host: one clock)."""
+    s = sorted(intervals, key=lambda i: i.start)
+    return [(a, b) for k, a in enumerate(s) for b in s[k + 1:] if b.start < a.end]
+
+
+# ---------------------------------------------------------------- what a run produced
+def checksums(run_dir: str | Path) -> dict[str, object]:
+    """Every stage's content as its manifest records it: shard sha256s, weights, the eval figures that do
+    not depend on the machine's speed. Two runs with equal checksums produced the same outputs."""
+    from eagle3.artifacts import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+
+    d = Path(run_dir)
+    prep = PreparedData.read(d / "prepare")
+    hid = HiddenStates.read(d / "extract")
+    tr = TrainedDraft.read(d / "train")
+    ev = EvalReport.read(d / "eval")
+    return {
+        "prepare": sorted(s.sha256 for shards in prep.splits.values() for s in shards) + [prep.vocab_map.sha256],
+        "extract": [s.sha256 for s in hid.shards],
+        "verifier": VerifierWeights.read(d / "verifier").sha256,
+        "train": [tr.weights_sha256, tr.best_step, tr.best_sim_tau],
+        "eval": [ev.acceptance_length, ev.per_position_acceptance, ev.lossless, ev.num_drafts],
+    }
