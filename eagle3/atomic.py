@@ -223,6 +223,21 @@ def _exchange(a: Path, b: Path) -> bool:
     return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
+def append_text(path: str | os.PathLike, text: str) -> None:
+    """Append to a log file; a full disk raises DiskFullError naming it (a torn last line is the
+    reader's to skip: appends are not atomic)."""
+    path = Path(path)
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as e:
+        if _disk_full(e, path.parent):
+            free = _free_bytes(path.parent)
+            raise DiskFullError(errno.ENOSPC, f"no space left on device appending to {path} ({free / (1 << 20):,.1f} "
+                                f"MiB free under {path.parent}); free some space and rerun the same command") from e
+        raise
+
+
 def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:
     with atomic_path(final) as tmp:
         tmp.write_bytes(data)
@@ -234,6 +249,89 @@ def atomic_write_text(final: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(final: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(final, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+# ---------------------------------------------------------------- tensor files, written piece by piece
+# Both writers pass every piece through `point("file.writing", path)`, so a fault drill can kill the
+# process while a tensor file is half on disk (inside the write itself, not only before its rename).
+_PIECE = 64 << 20
+# torch dtype -> (safetensors name, rank in safetensors' Dtype enum: its writer orders tensors by
+# that rank, descending, then by name -- largest elements first, so every tensor starts aligned)
+_ST = {"bool": ("BOOL", 0), "uint8": ("U8", 4), "int8": ("I8", 5), "float8_e5m2": ("F8_E5M2", 6),
+       "float8_e4m3fn": ("F8_E4M3", 7), "int16": ("I16", 9), "float16": ("F16", 11), "bfloat16": ("BF16", 12),
+       "int32": ("I32", 13), "float32": ("F32", 15), "float64": ("F64", 16), "int64": ("I64", 17)}
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
+    """`tensors` (contiguous CPU tensors) as a safetensors file at `path` (write it to a temp path).
+
+    The bytes of safetensors' own `save_file` (tested): an 8-byte little-endian header length, the
+    JSON header (dtype, shape, data_offsets per tensor, optional `__metadata__` of strings) padded
+    with spaces to a multiple of 8, then the data in safetensors' order. The data come straight from
+    the tensors' memory in pieces of at most 64 MiB: no serialized copy of the file is ever built.
+    """
+    import struct
+
+    import torch
+
+    def dt(k: str) -> tuple[str, int]:
+        return _ST[str(tensors[k].dtype).removeprefix("torch.")]
+
+    order = sorted(tensors, key=lambda k: (-dt(k)[1], k))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    off = 0
+    for k in order:
+        t = tensors[k]
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{path}: tensor {k} must be a contiguous CPU tensor")
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": dt(k)[0], "shape": list(t.shape),
+                     "data_offsets": [off, off + n]}
+        off += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        point("file.writing", path)
+        for k in order:
+            raw = tensors[k].reshape(-1).view(torch.uint8).numpy()  # a view of the tensor's bytes
+            for a in range(0, raw.size, _PIECE):
+                f.write(memoryview(raw[a:a + _PIECE]))
+                point("file.writing", path)
+
+
+class _Pieces:
+    """A binary file whose every write is a `file.writing` point (torch.save writes one record per call)."""
+
+    def __init__(self, f, path: str | os.PathLike):
+        self.f, self.path = f, path
+        self.error: OSError | None = None
+
+    def write(self, b) -> int:
+        try:
+            n = self.f.write(b)
+        except OSError as e:  # torch's C++ writer reports it as a bare "unexpected pos": keep the cause
+            self.error = e
+            raise
+        point("file.writing", self.path)
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_torch(path: str | os.PathLike, obj: Any) -> None:
+    """torch.save(obj) to `path` (write it to a temp path), record by record through `_Pieces`."""
+    import torch
+
+    with open(path, "wb") as f:
+        w = _Pieces(f, path)
+        try:
+            torch.save(obj, w)
+        except Exception as e:
+            if w.error is not None:
+                raise w.error from e  # ENOSPC stays ENOSPC
+            raise
 
 
 def clean_temp_files(directory: str | os.PathLike) -> int:

@@ -9,6 +9,8 @@
 Points, each at a moment where a crash could lose or corrupt work:
 
     extract.batch      the hf backend finished a forward batch (its samples are not committed yet)
+    file.writing       inside a tensor file's write: one piece of a safetensors file (its header, then
+                       at most 64 MiB of data) or one record of a torch.save is on disk, the rest is not
     file.written       an atomic file write: the temp file is complete, not yet renamed
     file.renamed       ... renamed into place; the caller has not recorded it anywhere yet
     dir.written        an atomic dir write (a checkpoint): every file written, not yet swapped in
@@ -16,6 +18,9 @@ Points, each at a moment where a crash could lose or corrupt work:
     train.step         an optimizer step finished (a torch optimizer post-hook: no trainer code)
 
 Examples: `file.written@shards/:3` (the 3rd hidden-state shard, before its rename),
+`file.writing@shards/:7` (a bf16 shard is 5 pieces: header, ids, aux, final, mask -- so the 2nd
+shard with its header and ids on disk and its states not),
+`file.writing@state.pt:3` (the 3rd record of the first checkpoint's optimizer state),
 `file.written@meta.json:2` (inside the 2nd checkpoint save: weights and optimizer state are
 written, its meta.json is not), `train.step:5`. Unset, `point` is one `None` check.
 """
@@ -26,7 +31,7 @@ import signal
 from pathlib import Path
 
 ENV, MARKER_ENV = "EAGLE3_KILL_AT", "EAGLE3_KILL_MARKER"
-POINTS = ("extract.batch", "file.written", "file.renamed", "dir.written", "dir.renamed", "train.step")
+POINTS = ("extract.batch", "file.writing", "file.written", "file.renamed", "dir.written", "dir.renamed", "train.step")
 
 
 def parse(spec: str | None) -> tuple[str, str, int] | None:

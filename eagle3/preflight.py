@@ -145,7 +145,8 @@ def draft_params(t: TargetPlan, draft_vocab: int) -> int:
     return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * I + draft_vocab * H + 3 * H + 3 * H
 
 
-def _free(path: Path) -> int:
+def disk_free(path: Path) -> int:
+    """Free bytes on the file system that holds `path` (or its nearest existing parent)."""
     p = path.resolve()
     while not p.exists():
         p = p.parent
@@ -157,7 +158,7 @@ def hms(s: float) -> str:
     return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
 
 
-def _human(b: float) -> str:
+def human(b: float) -> str:
     return f"{b / GIB:,.2f} GiB" if b >= GIB / 10 else f"{b / (1 << 20):,.1f} MiB"
 
 
@@ -183,14 +184,14 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     if not TrainedDraft.exists(cfg.stage_dir("train")):
         need["train"] = P * 12 * (tc.keep_last + 2) + P * 4
     for stage, b in need.items():
-        pl.rows.append({"stage": stage, "what": "disk", "bytes": b, "human": _human(b)})
+        pl.rows.append({"stage": stage, "what": "disk", "bytes": b, "human": human(b)})
     total = sum(need.values()) * HEADROOM
-    free = _free(Path(cfg.run_dir)) if free_bytes is None else free_bytes
+    free = disk_free(Path(cfg.run_dir)) if free_bytes is None else free_bytes
     pl.rows.append({"stage": "all", "what": f"disk (x{HEADROOM} headroom) / free", "bytes": total,
-                    "human": f"{_human(total)} / {_human(free)}"})
+                    "human": f"{human(total)} / {human(free)}"})
     if total > free:
         pl.problems.append(
-            f"disk: the remaining stages need about {_human(total)} under {cfg.run_dir}, but only {_human(free)} is "
+            f"disk: the remaining stages need about {human(total)} under {cfg.run_dir}, but only {human(free)} is "
             f"free. Options: storage 'fp8' (~{bytes_per_token(3, t.hidden_size, 'fp8') / bytes_per_token(3, t.hidden_size, cfg.extract.storage):.0%} "
             f"of '{cfg.extract.storage}') or 'fp8-aux', fewer samples (prepare.limit / max_len), or another run_dir"
         )
@@ -203,11 +204,11 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     act = (tc.ttt_steps * tc.pack_tokens * 4 * (3 * t.intermediate_size + 14 * t.hidden_size)
            + 2 * tc.pack_tokens * vd * 4 + 2 * t.vocab_size * t.hidden_size * 4 + P * 16 + int(0.35 * GIB))
     pl.rows.append({"stage": "train", "what": "activation memory per rank (estimate)", "bytes": act,
-                    "human": _human(act)})
+                    "human": human(act)})
     mem = free_mem if free_mem is not None else _avail_mem()
     if mem and act * tc.nproc_per_node > mem and not _has_cuda():
-        pl.problems.append(f"memory: training needs about {_human(act * tc.nproc_per_node)} "
-                           f"({tc.nproc_per_node} process(es)), {_human(mem)} is available; lower train.pack_tokens, "
+        pl.problems.append(f"memory: training needs about {human(act * tc.nproc_per_node)} "
+                           f"({tc.nproc_per_node} process(es)), {human(mem)} is available; lower train.pack_tokens, "
                            f"train.ttt_steps or the draft vocab")
     gpus = cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size
     active = t.active_parameters or t.num_parameters
@@ -234,10 +235,10 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
         per_gpu = t.num_parameters * t.weight_bytes / (cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size)
         budget = cfg.gpu_memory_gib * GIB * cfg.extract.gpu_memory_utilization
         pl.rows.append({"stage": "extract", "what": "GPU weights per device / budget", "bytes": per_gpu,
-                        "human": f"{_human(per_gpu)} / {_human(budget)}"})
+                        "human": f"{human(per_gpu)} / {human(budget)}"})
         if per_gpu > 0.9 * budget:
-            pl.problems.append(f"GPU memory: {_human(per_gpu)} of weights per GPU leaves no KV cache within "
-                               f"{_human(budget)}; raise tensor_parallel_size or pipeline_parallel_size")
+            pl.problems.append(f"GPU memory: {human(per_gpu)} of weights per GPU leaves no KV cache within "
+                               f"{human(budget)}; raise tensor_parallel_size or pipeline_parallel_size")
     return pl
 
 

@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from eagle3.atomic import atomic_path, sha256_file_cached, sha256_json
+from eagle3.atomic import atomic_path, sha256_file_cached, sha256_json, write_safetensors
 
 FORMAT_VERSION = 1
 META_KEY = "eagle3"
@@ -189,6 +188,8 @@ class ShardWriter:
             raise ValueError(f"shard {self.plan.file}: no hidden states for sample(s) {miss[:5]}")
         recs = [self._rec[s] for s in self.plan.sample_ids]
         tensors = {k: torch.cat([r[k] for r in recs]).contiguous() for k in recs[0]}
+        del recs
+        self._rec.clear()  # only the concatenated copy stays alive while the file is written
         meta = {
             "format_version": FORMAT_VERSION,
             "key": self.plan.key,
@@ -201,8 +202,7 @@ class ShardWriter:
         with atomic_path(final) as tmp:
             # One metadata key only: safetensors keeps metadata in a hash map, so with several keys
             # their order in the header (and so the shard's bytes) could change from run to run.
-            save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True)})
-        self._rec.clear()
+            write_safetensors(tmp, tensors, metadata={META_KEY: json.dumps(meta, sort_keys=True)})
         return sha256_file_cached(final)  # also this host's stamp: the trainer's ranks need not hash it again
 
 

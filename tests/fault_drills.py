@@ -112,29 +112,67 @@ class Drill:
 
 def kill_drill(stage: str, spec: str, x: Inputs, out: Path) -> Drill:
     """Run the stage with EAGLE3_KILL_AT=spec, rerun it, compare with the uninterrupted run."""
-    cmd = extract_cmd(x, out) if stage in ("extract", "shard commit") else train_cmd(x, out)
+    cmd = extract_cmd(x, out) if stage in ("extract", "shard commit") or "shards/" in spec else train_cmd(x, out)
     d = Drill(stage, spec)
     first = cli(cmd, {"EAGLE3_KILL_AT": spec})
     d.killed = first.returncode == -signal.SIGKILL
     if not d.killed:
         d.detail = f"not killed (exit {first.returncode}): {first.stderr[-300:]}"
         return d
+    if spec.startswith("file.writing"):  # it died inside a tensor file's write: a partial temp file is left
+        part = partial_files(out)
+        d.killed = bool(part)
+        if not part:
+            d.detail = "killed, but no partially written temp file was left"
+            return d
+        d.detail = f"partial: {part[0][0]} ({part[0][1]:,} bytes)"
     return _rerun_and_compare(d, cmd, x, out)
 
 
-def random_kill_drill(stage: str, delay_s: float, x: Inputs, out: Path) -> Drill:
-    """SIGKILL the real process from outside after `delay_s` seconds (wherever it happens to be)."""
-    cmd = extract_cmd(x, out) if stage == "extract" else train_cmd(x, out)
-    d = Drill(stage, f"external SIGKILL after {delay_s:.2f}s")
+def partial_files(out: Path) -> list[tuple[str, int]]:
+    """(name, bytes) of every file inside a killed writer's temp file or temp dir."""
+    found = []
+    for t in out.rglob(".*.tmp"):
+        for f in ([t] if t.is_file() else [f for f in t.rglob("*") if f.is_file()]):
+            found.append((str(f.relative_to(out)), f.stat().st_size))
+    return found
+
+
+def random_kill_drill(stage: str, x: Inputs, out: Path, rng) -> Drill:
+    """SIGKILL the real process from outside at a random moment *inside* its work: once a random number
+    of shards (extract) or optimizer steps (train) of the uninterrupted run is done, after a further
+    random 0-0.3 s. `killed` counts only kills that landed there: the process was still running and
+    had not written its manifest."""
+    if stage == "extract":
+        total = len(json.loads((x.hid / "manifest.json").read_text())["shards"])
+        target = rng.randint(1, total - 1)
+        cmd = extract_cmd(x, out)
+
+        def progress() -> int:
+            return len(list((out / "shards").glob("*.safetensors"))) if (out / "shards").is_dir() else 0
+    else:
+        target = rng.randint(1, 23)  # of TRAIN_FLAGS' 24 steps
+        cmd = train_cmd(x, out)
+
+        def progress() -> int:
+            m = out / "metrics.jsonl"
+            return max((json.loads(ln)["step"] for ln in m.read_text().splitlines() if '"train"' in ln), default=0) \
+                if m.is_file() else 0
+    delay = rng.uniform(0.0, 0.3)
+    d = Drill(stage, f"external SIGKILL after {target} {'shards' if stage == 'extract' else 'steps'} + {delay:.2f}s")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_KILL")}
     p = subprocess.Popen([sys.executable, "-m", "eagle3.cli", *cmd], cwd=CODE[0], env=clean,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(delay_s)
+    deadline = time.time() + 600
+    while progress() < target and p.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(delay)
+    alive = p.poll() is None
     p.send_signal(signal.SIGKILL)
     p.wait()
-    d.killed = p.returncode == -signal.SIGKILL
+    d.killed = alive and p.returncode == -signal.SIGKILL and not (out / "manifest.json").exists()
     if not d.killed:
-        d.detail = "finished before the kill"
+        d.detail = "finished before the kill" if not alive else "the manifest was already written"
         return d
     return _rerun_and_compare(d, cmd, x, out)
 
@@ -167,15 +205,19 @@ def tmpfs_available() -> bool:
 
 ENOSPC_SCRIPT = r"""
 set -u
-mount -t tmpfs -o size="$SMALL" tmpfs "$DISK"
-"$PY" -m eagle3.cli "$@" > /dev/null 2> "$RES/first.err"; echo $? > "$RES/first.rc"
+mount -t tmpfs -o size="$BIG" tmpfs "$DISK"
+"$PY" -m eagle3.cli "$@" > /dev/null 2> "$RES/first.err" &
+pid=$!
+# another writer fills the disk once extraction has committed its first shard (the preflight passed)
+while kill -0 $pid 2> /dev/null && ! ls "$DISK"/out/shards/*.safetensors > /dev/null 2>&1; do sleep 0.01; done
+head -c "$FILL" /dev/zero > "$DISK/filler" 2> /dev/null
+wait $pid; echo $? > "$RES/first.rc"
 find "$DISK" -name '.*.tmp' > "$RES/leftovers.txt"
 ls "$DISK/out/shards" > "$RES/committed.txt" 2>/dev/null
-mount -o remount,size="$BIG" "$DISK"   # space freed
+rm "$DISK/filler"   # space freed
 "$PY" -m eagle3.cli "$@" > /dev/null 2> "$RES/second.err"; echo $? > "$RES/second.rc"
 cp -r "$DISK/out" "$RES/out"
 """
-
 
 @dataclass
 class EnospcResult:
@@ -188,13 +230,15 @@ class EnospcResult:
 
 
 def enospc_extract(x: Inputs, work: Path, fraction: float = 0.4) -> EnospcResult:
-    """Extract on a tmpfs that holds `fraction` of the shards; grow it; rerun. Runs in its own mount
-    namespace, so nothing is mounted on this machine after it."""
+    """Extract on a tmpfs with room for all shards; once the first is committed, a filler leaves room
+    for only `fraction` of them; remove it; rerun. Runs in its own mount namespace, so nothing is
+    mounted on this machine after it."""
     total = sum(s["num_bytes"] for s in json.loads((x.hid / "manifest.json").read_text())["shards"])
     disk, res = work / "disk", work / "res"
     disk.mkdir(parents=True)
     res.mkdir()
-    env = {**os.environ, "SMALL": str(int(total * fraction) // 4096 * 4096), "BIG": str(8 * total + (16 << 20)),
+    big = 2 * total + (8 << 20)
+    env = {**os.environ, "BIG": str(big), "FILL": str(big - int(total * fraction)),
            "DISK": str(disk), "RES": str(res), "PY": sys.executable}
     env = {k: v for k, v in env.items() if not k.startswith("EAGLE3_KILL")}
     r = subprocess.run(["unshare", "-rm", "sh", "-c", ENOSPC_SCRIPT, "sh", *extract_cmd(x, disk / "out")],
@@ -207,5 +251,62 @@ def enospc_extract(x: Inputs, work: Path, fraction: float = 0.4) -> EnospcResult
         leftovers=(res / "leftovers.txt").read_text().split(),
         committed=len([f for f in (res / "committed.txt").read_text().split() if f.endswith(".safetensors")]),
         second_rc=int((res / "second.rc").read_text()),
+        out=res / "out",
+    )
+
+
+ENOSPC_TRAIN_SCRIPT = r"""
+set -u
+mount -t tmpfs -o size="$SMALL" tmpfs "$DISK"
+"$PY" -m eagle3.cli "$@" > /dev/null 2> "$RES/first.err"; echo $? > "$RES/first.rc"
+find "$DISK" -name '.*.tmp' > "$RES/leftovers.txt"
+cp -r "$DISK/out" "$RES/after-failure"
+mount -o remount,size="$BIG" "$DISK"   # space freed
+"$PY" -m eagle3.cli "$@" > /dev/null 2> "$RES/second.err"; echo $? > "$RES/second.rc"
+cp -r "$DISK/out" "$RES/out"
+"""
+
+
+@dataclass
+class EnospcTrainResult:
+    first_rc: int
+    message: str  # the error lines of the failed run
+    leftovers: list[str]
+    checkpoints: list[str]  # step checkpoints left by the failed run, newest last
+    intact: bool  # every one of them (and `best`) is complete and matches its checksums
+    second_rc: int
+    resumed_from: str  # the rerun's "resumed from ..." line
+    out: Path
+
+
+def enospc_train(x: Inputs, work: Path, room: float = 3.5) -> EnospcTrainResult:
+    """Train with --out on a tmpfs with room for `room` checkpoints: with 2 step checkpoints kept plus
+    `best`, the first save that needs a 4th one runs out of space. Then grow it and rerun."""
+    from eagle3.train import checkpoint as ckpt
+
+    one = sum(f.stat().st_size for f in next((x.train / "checkpoints").glob("step-*")).iterdir())
+    disk, res = work / "disk", work / "res"
+    disk.mkdir(parents=True)
+    res.mkdir()
+    pages = int(room * (one + 3 * 4096)) + 8 * 4096  # tmpfs counts whole pages per file
+    env = {**os.environ, "SMALL": str(pages // 4096 * 4096), "BIG": str(8 * one + (32 << 20)), "DISK": str(disk), "RES": str(res),
+           "PY": sys.executable}
+    env = {k: v for k, v in env.items() if not k.startswith("EAGLE3_KILL")}
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", ENOSPC_TRAIN_SCRIPT, "sh", *train_cmd(x, disk / "out")],
+                       cwd=CODE[0], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    err = (res / "first.err").read_text().strip().splitlines()
+    after = res / "after-failure"
+    steps = ckpt.step_dirs(after)
+    best = after / ckpt.CKPT_DIR / ckpt.BEST
+    again = (res / "second.err").read_text()
+    return EnospcTrainResult(
+        first_rc=int((res / "first.rc").read_text()),
+        message="\n".join(ln for ln in err if "error" in ln.lower() or "Traceback" in ln),
+        leftovers=(res / "leftovers.txt").read_text().split(),
+        checkpoints=[d.name for d in steps],
+        intact=bool(steps) and all(ckpt.problem(d) is None for d in steps + ([best] if best.is_dir() else [])),
+        second_rc=int((res / "second.rc").read_text()),
+        resumed_from=next((ln for ln in again.splitlines() if "resumed from" in ln), ""),
         out=res / "out",
     )

@@ -5,7 +5,11 @@ benchmarks/faults.py runs the larger matrix with the same drills (tests/fault_dr
 from __future__ import annotations
 
 import json
+import os
+import random
 import shutil
+import subprocess
+import sys
 
 import fault_drills
 import pytest
@@ -13,9 +17,12 @@ from fault_drills import (
     build_inputs,
     cli,
     enospc_extract,
+    enospc_train,
+    extract_cmd,
     kill_drill,
     leftovers,
     losses,
+    random_kill_drill,
     shard_digests,
     snapshot_code,
     tmpfs_available,
@@ -49,6 +56,11 @@ def test_malformed_kill_spec_is_refused():
     # the checkpoint of an epoch's last step (16) is saved before the epoch-end validation, which the
     # killed run logged: the resume must not log it twice (found by benchmarks/faults.py)
     ("training", "train.step:17"),
+    # inside the tensor write itself: a shard with its header and ids on disk, its states not; a
+    # checkpoint's weights half written; its optimizer state half written
+    ("tensor write", "file.writing@shards/:7"),
+    ("tensor write", "file.writing@model.safetensors:2"),
+    ("tensor write", "file.writing@state.pt:3"),
 ])
 def test_sigkill_at_point_then_rerun_equals_uninterrupted(stage, spec, inputs, tmp_path):
     d = kill_drill(stage, spec, inputs, tmp_path / "out")
@@ -95,6 +107,42 @@ def test_corrupt_newest_checkpoint_resumes_from_the_one_before(inputs, tmp_path)
     assert "resumed from step-00000004" in r.stderr
     assert f"checkpoint step-00000006 skipped: {ckpts[-1] / 'state.pt'} does not match its checksum" in r.stderr
     assert losses(out) == losses(inputs.train) and weights(out) == weights(inputs.train)
+
+
+def test_external_kill_lands_inside_extraction_then_rerun_equals_uninterrupted(inputs, tmp_path):
+    d = random_kill_drill("extract", inputs, tmp_path / "out", random.Random(3))
+    assert (d.killed, d.recovered, d.equal) == (True, True, True), d.detail
+
+
+@pytest.mark.skipif(not tmpfs_available(), reason="no private mount namespace for a small tmpfs")
+def test_checkpoint_save_on_a_full_disk_keeps_the_previous_one_then_resumes(inputs, tmp_path):
+    r = enospc_train(inputs, tmp_path)
+    assert r.first_rc == 2, r.message
+    assert "Traceback" not in r.message and len(r.message.splitlines()) == 1, r.message
+    assert "no space left on device writing" in r.message and "/checkpoints/step-" in r.message and "MiB free" in r.message
+    assert r.leftovers == []  # the half-written checkpoint dir was removed
+    assert r.checkpoints and r.intact  # the previous checkpoints are whole and match their checksums
+    assert r.second_rc == 0 and f"resumed from {r.checkpoints[-1]}" in r.resumed_from
+    assert losses(r.out) == losses(inputs.train) and weights(r.out) == weights(inputs.train)
+
+
+@pytest.mark.skipif(not tmpfs_available(), reason="no private mount namespace for a small tmpfs")
+def test_standalone_extract_refuses_up_front_when_the_disk_cannot_hold_it(inputs, tmp_path):
+    """Disk preflight: on a tmpfs with room for 40% of the shards, `eagle3 extract` fails before loading
+    the model, in one line with the numbers and the options, having written no shard."""
+    total = sum(s["num_bytes"] for s in json.loads((inputs.hid / "manifest.json").read_text())["shards"])
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = ('mount -t tmpfs -o size="$SIZE" tmpfs "$DISK" && "$PY" -m eagle3.cli "$@"; rc=$?; '
+              'ls -A "$DISK/out/shards"; exit $rc')
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *extract_cmd(inputs, disk / "out")],
+                       cwd=fault_drills.CODE[0], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "SIZE": str(int(total * 0.4) // 4096 * 4096), "DISK": str(disk),
+                            "PY": sys.executable})
+    err = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"{disk / 'out'}: not enough disk to extract: " in err[0] and "bytes/token (bf16) need about" in err[0]
+    assert "--storage fp8" in err[0] and r.stdout.strip() == ""  # no shard, not even a temp file
 
 
 @pytest.mark.skipif(not tmpfs_available(), reason="no private mount namespace for a small tmpfs")

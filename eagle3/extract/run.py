@@ -134,6 +134,26 @@ def _open_reuse(dirs: Sequence[str | Path], out: Path, common: dict[str, Any]) -
     return stores
 
 
+def disk_preflight(out: Path, todo: list[ShardPlan], n_aux: int, hidden: int, storage: str) -> None:
+    """Refuse, before the target is loaded, to start writing shards that cannot fit under `out`.
+
+    A shard is written whole, reused samples included: every uncommitted shard's tokens x bytes per
+    token, plus its header (~100 bytes per sample id), plus 1% and 1 MiB of slack."""
+    from eagle3.preflight import PreflightError, disk_free, human
+
+    tokens = sum(p.num_tokens for p in todo)
+    need = int((tokens * bytes_per_token(n_aux, hidden, storage) + 100 * sum(len(p.sample_ids) for p in todo))
+               * 1.01) + (1 << 20)
+    free = disk_free(out)
+    if todo and need > free:
+        fp8 = bytes_per_token(n_aux, hidden, "fp8") / bytes_per_token(n_aux, hidden, storage)
+        raise PreflightError(
+            f"{out}: not enough disk to extract: {len(todo)} shard(s) of {tokens:,} tokens at "
+            f"{bytes_per_token(n_aux, hidden, storage):,} bytes/token ({storage}) need about {human(need)}, "
+            f"{human(free)} is free there; free some space, or use --storage fp8 (~{fp8:.0%} of this) or fp8-aux, "
+            f"fewer samples (prepare --limit / --max-len), or another --out")
+
+
 # ---------------------------------------------------------------- the stage
 def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig, trust_remote_code: bool = False) -> dict[str, Any]:
     """What the stored states depend on: the prepared data's and the target's content, the layer ids, the
@@ -227,6 +247,7 @@ def run_extract(
         for p in plans if p.file not in committed
         for sid, n_tok in dict(zip(p.sample_ids, p.lengths)).items() if sid not in reusable
     )
+    disk_preflight(out, [p for p in plans if p.file not in committed], n_aux, hidden, cfg.storage)
 
     bar = None
     if show_progress:

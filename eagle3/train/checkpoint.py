@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from eagle3.atomic import atomic_dir, atomic_write_json, sha256_file, sha256_file_cached
+from eagle3.atomic import atomic_dir, atomic_write_json, sha256_file, sha256_file_cached, write_safetensors, write_torch
 
 log = logging.getLogger("eagle3.train")
 
@@ -83,8 +83,8 @@ def save(root: Path, name: str, model_state: dict[str, torch.Tensor], state: dic
     final = base / name
     _plain(state)
     with atomic_dir(final) as tmp:
-        save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-        torch.save(state, tmp / "state.pt")
+        write_safetensors(tmp / "model.safetensors", {k: v.contiguous() for k, v in model_state.items()})
+        write_torch(tmp / "state.pt", state)
         meta = dict(meta, format=FORMAT, files={f: sha256_file(tmp / f) for f in ("model.safetensors", "state.pt")})
         atomic_write_json(tmp / "meta.json", meta)
     return final

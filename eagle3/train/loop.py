@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from eagle3.manifests import HiddenStates, TrainedDraft, VerifierWeights
-from eagle3.atomic import atomic_write_text, sha256_file
+from eagle3.atomic import append_text, atomic_write_text, sha256_file
 from eagle3.config import TrainConfig
 from eagle3.store import open_store
 from eagle3.model import DraftConfig, Eagle3Draft
@@ -392,8 +392,7 @@ def last_step_dir(out: Path) -> Path:
 
 
 def _log_metrics(path: Path, rec: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    append_text(path, json.dumps(rec) + "\n")
 
 
 def _truncate_metrics(path: Path, step: int, last_val: int) -> None:
@@ -401,7 +400,13 @@ def _truncate_metrics(path: Path, step: int, last_val: int) -> None:
     includes a validation at the checkpoint's own step that ran after the save (an epoch end)."""
     if not path.is_file():
         return
-    recs = [(ln, json.loads(ln)) for ln in path.read_text().splitlines() if ln.strip()]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if lines:
+        try:
+            json.loads(lines[-1])
+        except ValueError:  # an append torn by a kill or a full disk: that record is logged again
+            lines.pop()
+    recs = [(ln, json.loads(ln)) for ln in lines]
     keep = [ln for ln, r in recs if r["step"] <= (last_val if r["split"] == "val" else step)]
     atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
