@@ -310,3 +310,24 @@ def enospc_train(x: Inputs, work: Path, room: float = 3.5) -> EnospcTrainResult:
         resumed_from=next((ln for ln in again.splitlines() if "resumed from" in ln), ""),
         out=res / "out",
     )
+
+
+PREFLIGHT_SCRIPT = r"""
+mount -t tmpfs -o size="$SIZE" tmpfs "$DISK" && "$PY" -m eagle3.cli "$@"; rc=$?
+find "$DISK/out" -type f ! -name .eagle3.lock; exit $rc
+"""
+
+
+def extract_disk_preflight(x: Inputs, work: Path, fraction: float = 0.4) -> dict:
+    """`eagle3 extract` on a tmpfs with room for `fraction` of the shards: it must refuse up front, in one
+    line, having written nothing but its lock file."""
+    total = sum(s["num_bytes"] for s in json.loads((x.hid / "manifest.json").read_text())["shards"])
+    disk = work / "disk"
+    disk.mkdir(parents=True)
+    env = {**os.environ, "SIZE": str(int(total * fraction) // 4096 * 4096), "DISK": str(disk), "PY": sys.executable}
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", PREFLIGHT_SCRIPT, "sh", *extract_cmd(x, disk / "out")],
+                       cwd=CODE[0], capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in env.items() if not k.startswith("EAGLE3_KILL")})
+    err = [ln for ln in r.stderr.splitlines() if "error" in ln.lower() or "Traceback" in ln]
+    return {"exit": r.returncode, "message": "\n".join(err), "files_written": r.stdout.split(),
+            "out": str(disk / "out")}

@@ -5,11 +5,8 @@ benchmarks/faults.py runs the larger matrix with the same drills (tests/fault_dr
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 
 import fault_drills
 import pytest
@@ -18,7 +15,7 @@ from fault_drills import (
     cli,
     enospc_extract,
     enospc_train,
-    extract_cmd,
+    extract_disk_preflight,
     kill_drill,
     leftovers,
     losses,
@@ -130,19 +127,10 @@ def test_checkpoint_save_on_a_full_disk_keeps_the_previous_one_then_resumes(inpu
 def test_standalone_extract_refuses_up_front_when_the_disk_cannot_hold_it(inputs, tmp_path):
     """Disk preflight: on a tmpfs with room for 40% of the shards, `eagle3 extract` fails before loading
     the model, in one line with the numbers and the options, having written no shard."""
-    total = sum(s["num_bytes"] for s in json.loads((inputs.hid / "manifest.json").read_text())["shards"])
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    script = ('mount -t tmpfs -o size="$SIZE" tmpfs "$DISK" && "$PY" -m eagle3.cli "$@"; rc=$?; '
-              'ls -A "$DISK/out/shards"; exit $rc')
-    r = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *extract_cmd(inputs, disk / "out")],
-                       cwd=fault_drills.CODE[0], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "SIZE": str(int(total * 0.4) // 4096 * 4096), "DISK": str(disk),
-                            "PY": sys.executable})
-    err = [ln for ln in r.stderr.splitlines() if "error" in ln]
-    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert f"{disk / 'out'}: not enough disk to extract: " in err[0] and "bytes/token (bf16) need about" in err[0]
-    assert "--storage fp8" in err[0] and r.stdout.strip() == ""  # no shard, not even a temp file
+    r = extract_disk_preflight(inputs, tmp_path)
+    assert r["exit"] == 2 and len(r["message"].splitlines()) == 1 and "Traceback" not in r["message"], r
+    assert f"{r['out']}: not enough disk to extract: " in r["message"] and "bytes/token (bf16) need about" in r["message"]
+    assert "--storage fp8" in r["message"] and r["files_written"] == []  # no shard, not even a temp file
 
 
 @pytest.mark.skipif(not tmpfs_available(), reason="no private mount namespace for a small tmpfs")
