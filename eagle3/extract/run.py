@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3.manifests import HiddenShardInfo, HiddenStates, PreparedData
-from eagle3.atomic import atomic_path, clean_temp_files, sha256_file
+from eagle3.atomic import atomic_path, clean_temp_files, sha256_file, sha256_file_cached
 from eagle3.config import ExtractConfig
 from eagle3.store import (
     FORMAT_VERSION,
