@@ -31,9 +31,12 @@ BENCHES = {
     "regenerate": ["regenerate.py"],
     "faults": ["faults.py"],
     "families": ["families.py"],
+    "verify_on_read": ["verify_on_read.py"],
+    "load": ["load.py"],
 }
 QUICK = {  # smaller settings for a smoke run of this script itself
     "prepare": ["--limit", "200"],
+    "verify_on_read": ["--gib", "0.3", "--ranks", "4", "--repeats", "1"],
     "train": ["--vocab", "8192", "--k", "3", "--pack", "512", "--steps", "1"],
 }
 

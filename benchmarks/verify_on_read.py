@@ -4,9 +4,9 @@ identity (a stamp keyed by path, size, mtime, ctime, inode), the other ranks wai
 
     python benchmarks/verify_on_read.py [--gib 2.2] [--ranks 8] [--repeats 3]
 
-Builds a real store of at least --gib GiB: ShareGPT conversations prepared with SmolLM2's tokenizer
-and template, hidden states extracted by `eagle3 extract` from a random Llama with H=256 (the
-bytes are what is measured, not the model). Then --ranks processes start at one signal, open the
+Builds a real store of at least --gib GiB: ShareGPT conversations (up to 512 tokens) prepared with
+SmolLM2's tokenizer and template, hidden states extracted by `eagle3 extract` in fp32 from a random
+3-layer Llama with H=512 (the bytes are what is measured, not the model). Then --ranks processes start at one signal, open the
 store the way the trainer does (`open_store`) and verify every shard (each in its own shuffled
 order); the figure is the wall time from the signal until the last rank is done, and the bytes
 hashed in all. Modes, interleaved, each --repeats times:
@@ -48,6 +48,7 @@ atomic.sha256_file = counting
 if sys.argv[3] == "before":  # the code before stamps: shard_problem hashed with sha256_file in every process
     store.sha256_file_cached = lambda p, rehash=False: counting(p)
 go, rank = Path(sys.argv[2]), int(sys.argv[4])
+Path(f"{go}.ready-{rank}").touch()  # imports done: the clock starts when every rank is here
 while not go.exists():
     time.sleep(0.002)
 t0 = time.perf_counter()
@@ -62,7 +63,7 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "bytes_hashed": hashed[0]
 
 
 def build_store(root: Path, gib: float) -> Path:
-    """prepare (real ShareGPT, SmolLM2's template) -> `eagle3 extract` from a random H=256 Llama."""
+    """prepare (real ShareGPT, SmolLM2's template) -> `eagle3 extract` (fp32) from a random H=512 Llama."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -72,23 +73,23 @@ def build_store(root: Path, gib: float) -> Path:
     from eagle3.extract.store import bytes_per_token
 
     tok = AutoTokenizer.from_pretrained(materialize_smollm2(REPO / "assets" / "smollm2"))
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = root / "llama-h256"
+    model = root / "llama-h512"
     LlamaForCausalLM(cfg).eval().save_pretrained(model, safe_serialization=True)
     tok.save_pretrained(model)
-    per_tok = bytes_per_token(3, 256, "bf16")
+    per_tok = bytes_per_token(3, 512, "fp32")
     need = int(gib * (1 << 30) / per_tok)
-    conv = int(need / (0.95 * 1_360) * 1.15) + 50  # ~1,360 tokens per kept conversation, a margin
-    prepare(model, root / "prep", PrepareConfig(data="sharegpt", limit=conv, max_len=2048, val_fraction=0.01),
+    conv = int(need / (0.95 * 470) * 1.1) + 50  # ~470 tokens per kept conversation at max_len 512, a margin
+    prepare(model, root / "prep", PrepareConfig(data="sharegpt", limit=conv, max_len=512, val_fraction=0.01),
             progress=False)
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "eagle3.cli", "extract", "--model", str(model), "--prepared",
-                        str(root / "prep"), "--out", str(root / "hid"), "--aux-layers", "1,2,3",
-                        "--shard-bytes", str(128 << 20), "--batch-tokens", "32768"],
+                        str(root / "prep"), "--out", str(root / "hid"), "--aux-layers", "0,1,2", "--storage", "fp32",
+                        "--shard-bytes", str(128 << 20), "--batch-tokens", "16384"],
                        cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "EAGLE3_CACHE_DIR": str(root / "cache-writer")})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -102,7 +103,10 @@ def start(hid: Path, mode: str, ranks: int, cache: Path, work: Path) -> dict:
     env = {**os.environ, "EAGLE3_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
     ps = [subprocess.Popen([sys.executable, "-c", RANK, str(hid), str(go), mode, str(r)], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, text=True) for r in range(ranks)]
-    time.sleep(6)  # every rank has imported torch and waits for the signal
+    deadline = time.time() + 600
+    while sum(Path(f"{go}.ready-{r}").exists() for r in range(ranks)) < ranks:  # all imported, all waiting
+        assert time.time() < deadline and all(p.poll() is None for p in ps), "a rank did not start"
+        time.sleep(0.05)
     t0 = time.time()
     go.touch()
     outs = []
