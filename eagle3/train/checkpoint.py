@@ -7,7 +7,7 @@ files) is written last inside it, so a directory without a valid meta.json is ne
 No pickled Python object is ever read back: `state.pt` (optimizer, scheduler, data position, RNG)
 holds only tensors and plain containers of numbers and strings, and is loaded with
 `torch.load(weights_only=True)`, whose unpickler builds nothing else. A run dir may be shared by
-many people; with `weights_only=False` a tampered `state.pt` would run its code as the trainer
+many people; a full unpickler would run the code a tampered `state.pt` carries, as the trainer
 (rewriting meta.json's checksum is no obstacle to whoever can write the dir).
 """
 from __future__ import annotations
