@@ -139,6 +139,7 @@ def main() -> int:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="eagle3-faults-"))
+    os.environ["EAGLE3_CACHE_DIR"] = str(root / "sha256-stamps")  # every process of the drill; none left behind
     fd.snapshot_code(root / "code")
     model = tiny_llama(root / "tiny-llama")
     x = fd.build_inputs(root / "inputs", model)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -87,11 +89,13 @@ def out_dir(params: dict) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the concurrent phase")
+    ap.add_argument("--keep", action="store_true", help="keep the run dirs and the server's home (printed)")
     a = ap.parse_args()
     from eagle3.assets import materialize_smollm2
 
     t_all = time.time()
     root = Path(tempfile.mkdtemp(prefix="eagle3-load-"))
+    os.environ["EAGLE3_CACHE_DIR"] = str(root / "sha256-stamps")  # every process of the drill; none left behind
     model = materialize_smollm2(REPO / "assets" / "smollm2")
     runs = configs(root, model)
     home = root / "prefect"
@@ -143,6 +147,8 @@ def main() -> int:
                   flush=True)
         run_s = {n: (r.end_time - r.start_time).total_seconds() for n, r in done.items() if n != "duplicate"}
     seq = sum(alone.values())
+    if not a.keep:
+        shutil.rmtree(root, ignore_errors=True)
     print(f"\nconcurrent {wall:.0f} s vs one after another {seq:.0f} s ({wall / seq:.2f}x); "
           f"GPU stages overlapping: {len(bad)}; outputs equal to alone: {sum(equal.values())}/{len(equal)}")
     print(json.dumps({

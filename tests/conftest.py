@@ -2,7 +2,9 @@
 isolated Prefect harness."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,6 +17,7 @@ SMOLLM2 = REPO / "assets" / "smollm2"
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # ... and eagle3's sha256 stamps: a test never trusts (or leaves) a stamp of another session.
 os.environ["EAGLE3_CACHE_DIR"] = tempfile.mkdtemp(prefix="eagle3-test-cache-")
+atexit.register(shutil.rmtree, os.environ["EAGLE3_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="session")
