@@ -148,7 +148,7 @@ def _raise_if_disk_full(e: BaseException, final: Path) -> None:
     raise DiskFullError(
         errno.ENOSPC,
         f"no space left on device writing {final} ({free / (1 << 20):,.1f} MiB free under {final.parent}); "
-        f"the partial file was removed and committed work is kept: free some space (or use another "
+        f"the partial output was removed and committed work is kept: free some space (or use another "
         f"directory) and rerun the same command",
     ) from e
 
