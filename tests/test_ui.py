@@ -30,10 +30,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_deployments import REPO, _free_port, _start, _stop
+from prefect_service import BIN, REPO, free_port, start, stop
 
 pytestmark = pytest.mark.browser
-BIN = Path(sys.executable).parent
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # The flags Chromium needs on a machine without network: no sandbox (root), no GPU, and no
 # background connections (each would be refused, many at a time).
@@ -62,7 +61,7 @@ def ui(request, tmp_path_factory):
     """Server, pools, deployments and one worker per pool, exactly as the README starts them."""
     _need_browser()
     home = tmp_path_factory.mktemp("prefect-ui")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # The README's order: the API URL is set before `prefect server start`, so the UI it serves
     # talks to this port (left unset, the UI calls :4200 and shows "Can't connect to Server API").
@@ -70,7 +69,7 @@ def ui(request, tmp_path_factory):
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1", "EAGLE3_REPO": str(REPO)}
     for k in ("EAGLE3_FAIL_ONCE", "EAGLE3_GPU_DEPLOYMENT", "PREFECT_UI_API_URL"):
         env.pop(k, None)
-    procs = [_start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    procs = [start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                     env, home / "server.log")]
     try:
         request.getfixturevalue("tiny_llama_dir")  # built while the server boots
@@ -92,12 +91,12 @@ def ui(request, tmp_path_factory):
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         marker = home / "extract-failed-once"
         for pool, extra in (("cpu", {}), ("gpu", {"EAGLE3_FAIL_ONCE": f"extract:{marker}"})):
-            procs.append(_start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", f"ui-{pool}"],
+            procs.append(start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", f"ui-{pool}"],
                                 {**env, **extra}, home / f"worker-{pool}.log", cwd=REPO))
         yield {"url": url, "env": env, "home": home, "workers": procs[1:]}
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop(p)
 
 
 @pytest.fixture(scope="module")
