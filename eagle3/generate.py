@@ -106,8 +106,16 @@ class HFGenerator:
 
     @torch.inference_mode()
     def _batch(self, prompts: list[list[int]], seeds: list[int]) -> list[Gen]:
-        from transformers import DynamicCache
+        # KV cache in preallocated buffers and grouped one-token attention: no per-step copy of the
+        # cache (eagle3/batch_decode.py), so a batch of 32-64 rows scales on a CPU
+        from eagle3.batch_decode import buffer_cache, gqa_decoding
 
+        # room for 256 new tokens at first; a longer run grows the buffers (rarely: most rows stop early)
+        reserve = max(map(len, prompts)) + min(self.cfg.max_new_tokens + self.tail, 256)
+        with gqa_decoding(self.model):
+            return self._decode(prompts, seeds, buffer_cache(self.model, reserve))
+
+    def _decode(self, prompts: list[list[int]], seeds: list[int], cache) -> list[Gen]:
         B, L, dev = len(prompts), max(map(len, prompts)), self.device
         ids = torch.full((B, L), self.pad, dtype=torch.long)
         mask = torch.zeros((B, L), dtype=torch.long)
@@ -117,7 +125,6 @@ class HFGenerator:
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]: real positions start at 0 after the padding
         gens = [torch.Generator().manual_seed(s) if self.cfg.temperature > 0 else None for s in seeds]
-        cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         last = pos[:, -1]  # [B] position of each row's newest token

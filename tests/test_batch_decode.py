@@ -1,0 +1,66 @@
+"""Buffered KV cache + grouped one-token attention == transformers' stock DynamicCache + SDPA."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eagle3.batch_decode import ATTN, BufferLayer, buffer_cache, gqa_decoding
+from eagle3.target import Target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _decode(model, cache, steps: int, drop_at: int) -> list[torch.Tensor]:
+    """Left-padded batch of 3 prompts, greedy for `steps` steps; row 1 leaves the batch at step `drop_at`."""
+    g = torch.Generator().manual_seed(0)
+    lens = [9, 5, 7]
+    L = max(lens)
+    ids = torch.randint(0, 1000, (3, L), generator=g)
+    mask = torch.zeros(3, L, dtype=torch.long)
+    for r, n in enumerate(lens):
+        mask[r, L - n :] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = []
+    with torch.inference_mode():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+        last = pos[:, -1]
+        for s in range(steps):
+            out.append(logits)
+            nxt = logits.argmax(-1)
+            if s == drop_at:
+                keep = torch.tensor([0, 2])
+                cache.batch_select_indices(keep)
+                mask, last, nxt = mask[keep], last[keep], nxt[keep]
+            mask = torch.cat([mask, mask.new_ones(len(nxt), 1)], 1)
+            last = last + 1
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+    return out
+
+
+def test_buffered_grouped_decoding_equals_stock(tiny_llama_dir):
+    model = Target.open(tiny_llama_dir).load_model(head=True, device="cpu")
+    assert model.config.num_attention_heads != model.config.num_key_value_heads  # GQA: the grouped path runs
+    ref = _decode(model, DynamicCache(config=model.config), 12, drop_at=4)
+    cache = buffer_cache(model, reserve=10)  # smaller than prompt + 12 steps: the buffers grow mid-run
+    with gqa_decoding(model):
+        assert model.config._attn_implementation == ATTN
+        got = _decode(model, cache, 12, drop_at=4)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert all(isinstance(layer, BufferLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 9 + 12 and cache.layers[0].kbuf.shape[2] >= 21 and cache.layers[0].kbuf.shape[0] == 2
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert [int(x) for a in ref for x in a.argmax(-1)] == [int(x) for b in got for x in b.argmax(-1)]
+
+
+def test_buffer_layer_crop():
+    layer = BufferLayer(reserve=4)
+    k = torch.arange(2 * 1 * 6 * 2, dtype=torch.float32).view(2, 1, 6, 2)
+    layer.update(k[:, :, :3], k[:, :, :3])
+    layer.update(k[:, :, 3:], k[:, :, 3:])  # grows past the reserve
+    assert torch.equal(layer.keys, k) and layer.get_seq_length() == 6
+    layer.crop(-2)
+    assert torch.equal(layer.keys, k[:, :, :4]) and layer.get_seq_length() == 4
