@@ -2,12 +2,15 @@
 
 For each batch size the whole stage runs on the same records into its own dir (same model loaded
 once). Prints, per batch size: generated tokens, generation seconds, tokens/s (generated tokens /
-time inside the backend), and whether its file is byte-identical to batch size 1's (which is
-single-sequence greedy, exact by construction) -- the honest measure of near-tie flips caused by
-padded batching. Also prints the load average, since the CPU is shared. Last line: one JSON object.
+time inside the backend), CPU seconds of the process (on a shared machine wall time mostly measures
+the neighbours; CPU time measures the work), and whether its file is byte-identical to the first
+run's (batch size 1 is single-sequence greedy, exact by construction) -- the honest measure of
+near-tie flips caused by padded batching. `--stock` also runs each batch size through transformers'
+stock decoding (DynamicCache growing by torch.cat, SDPA with repeat_kv), the path before
+eagle3/batch_decode.py, side by side. Also prints the load average. Last line: one JSON object.
 
     .venv/bin/python benchmarks/regenerate.py [--data sharegpt|mt-bench|FILE] [--limit 6] [--max-new-tokens 64]
-                                              [--batch-sizes 1,4,8] [--threads 2]
+                                              [--batch-sizes 1,4,8] [--threads 2] [--stock]
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -25,9 +29,20 @@ sys.path.insert(0, str(REPO))
 
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import RegenConfig  # noqa: E402
+from eagle3.generate import HFGenerator  # noqa: E402
 from eagle3.regenerate.run import OUT_FILE, regenerate  # noqa: E402
 from eagle3.regenerate.hf import load_hf  # noqa: E402
 from eagle3.target import Target  # noqa: E402
+
+
+class StockGenerator(HFGenerator):
+    """The same batching and picking, decoded with transformers' stock cache and attention."""
+
+    @torch.inference_mode()
+    def _batch(self, prompts, seeds):
+        from transformers import DynamicCache
+
+        return self._decode(prompts, seeds, DynamicCache(config=self.model.config))
 
 
 def main() -> None:
@@ -38,6 +53,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-sizes", default="1,4,8")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--stock", action="store_true", help="also run transformers' stock decoding per batch size")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -56,17 +72,23 @@ def main() -> None:
                     msgs = [m for t in q["turns"] for m in ({"role": "user", "content": t},
                                                              {"role": "assistant", "content": "-"})]
                     g.write(json.dumps({"id": str(q["question_id"]), "messages": msgs}) + "\n")
-        for bs in [int(x) for x in a.batch_sizes.split(",")]:
+        stock = StockGenerator(gen.model, gen.eos, gen.cfg, gen.pad)
+        paths = (("stock", stock), ("eagle3", gen)) if a.stock else (("eagle3", gen),)
+        for bs, (path, g) in [(bs, p) for bs in map(int, a.batch_sizes.split(",")) for p in paths]:
             cfg = RegenConfig(max_new_tokens=a.max_new_tokens, limit=a.limit, batch_size=bs, chunk_records=a.limit)
-            gen.cfg = cfg
-            out = Path(tmp) / f"bs{bs}"
-            m = regenerate(model, data, out, cfg, generator=gen)
+            g.cfg = cfg
+            out = Path(tmp) / f"bs{bs}-{path}"
+            c0 = time.process_time()
+            m = regenerate(model, data, out, cfg, generator=g)
+            cpu = time.process_time() - c0
             blob = (out / OUT_FILE).read_bytes()
             first = first if first is not None else blob
-            row = {"batch_size": bs, "records": m.records_written, "turns": m.turns_written,
+            row = {"batch_size": bs, "path": path, "records": m.records_written, "turns": m.turns_written,
                    "tokens": m.stats["tokens_generated"], "prompt_tokens": m.stats["prompt_tokens"],
-                   "seconds": m.stats["generate_seconds"],
-                   "tokens_per_second": m.stats["tokens_per_second"], "same_file_as_first": blob == first}
+                   "seconds": m.stats["generate_seconds"], "cpu_seconds": round(cpu, 1),
+                   "tokens_per_second": m.stats["tokens_per_second"],
+                   "tokens_per_cpu_second": round(m.stats["tokens_generated"] / max(cpu, 1e-9), 1),
+                   "loadavg": os.getloadavg()[0], "same_file_as_first": blob == first}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(json.dumps({"model": str(model), "data": a.data, "limit": a.limit, "max_new_tokens": a.max_new_tokens,

@@ -463,6 +463,58 @@ class Eagle3Draft(nn.Module):
         return states
 
 
+    @torch.no_grad()
+    def ttt_states_at(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        position_ids: torch.Tensor,
+        steps: int,
+        at: torch.Tensor,
+        doc: torch.Tensor | None = None,
+        block: int | None = None,
+    ) -> list[torch.Tensor]:
+        """`ttt_states` (same arguments) read at the positions `at` [B, L] (bool) only, for inference:
+        `steps` tensors [n, H], the rows (b, t) of `at.nonzero()` in that order.
+
+        A chain at t reads step-0 keys/values at every position s <= t of its document, and steps
+        1..j only at t itself, so step 0 projects every position while its attention output, the
+        MLP and every later step run at `at` alone (replay evaluation needs the chains of the
+        answers, not of the prompts). The attention is the same kernel on the row's grid: the later
+        steps' queries and keys sit at their positions, zeros elsewhere, whose outputs are dropped.
+        """
+        from eagle3.attention import doc_ids_from_position_ids, ttt_attention
+
+        B, L = input_ids.shape
+        doc = doc_ids_from_position_ids(position_ids) if doc is None else doc
+        b, t = at.nonzero(as_tuple=True)  # [n] each
+
+        def grid(x: torch.Tensor) -> torch.Tensor:  # [1, heads, n, D] at (b, t) -> [B, heads, L, D], zeros elsewhere
+            g = x.new_zeros(B, x.shape[1], L, x.shape[3])
+            g[b, :, t] = x[0].transpose(0, 1)
+            return g
+
+        def pick(attn: torch.Tensor) -> torch.Tensor:  # [B, Hq, L, D] -> [1, Hq, n, D]
+            return attn[b, :, t].transpose(0, 1)[None]
+
+        e = self.embed_tokens(F.pad(input_ids[:, 1:], (0, 1), value=0))  # [B, L, H]: token t + 1
+        cos, sin = self.rope(e, position_ids)
+        q, k0, v0, residual = self.midlayer.project(e, self.combine(aux), cos, sin)
+        attn = ttt_attention(q, k0, v0, doc=doc, block=block)
+        normed, h = self.head(self.midlayer.finish(pick(attn), residual[b, t][None]))  # [1, n, H]
+        states, kd, vd = [normed[0]], [], []
+        for j in range(1, steps):
+            e = self.embed_tokens(F.pad(input_ids[:, j + 1 :], (0, j + 1), value=0)[b, t])[None]  # [1, n, H]
+            cos, sin = self.rope(e, (position_ids[b, t] + j)[None])
+            qj, kj, vj, residual = self.midlayer.project(e, h, cos, sin)
+            kd.append(grid(kj))
+            vd.append(grid(vj))
+            attn = ttt_attention(grid(qj), k0, v0, kd, vd, doc, block=block)
+            normed, h = self.head(self.midlayer.finish(pick(attn), residual))
+            states.append(normed[0])
+        return states
+
+
 def _rotary(c: DraftConfig) -> nn.Module:
     """HF's own Llama rotary module, so every rope_type (llama3, yarn, dynamic, ...) is the target's exactly."""
     from transformers import LlamaConfig

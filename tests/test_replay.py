@@ -59,7 +59,7 @@ def test_replay_equals_live_round_by_round(setup):
     turns, d, _ = continuations(t, model, convs, MAX_NEW, tail=8, cache=cache, batch_size=4)
     assert [(x.conv, x.turn) for x in turns] == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1)]
     aux, _ = aux_states(model.get_decoder(), turns, AUX, d)
-    props = proposals(draft, turns, aux, K, pack=300)  # packs several turns into one row
+    props = proposals(draft, turns, aux, K, MAX_NEW, pack=300)  # packs several turns into one row
     live_target, proposer = TargetLM(model, AUX), DraftProposer(draft)
     total = disagree = accepted = 0
     for turn, p in zip(turns, props):
@@ -75,6 +75,22 @@ def test_replay_equals_live_round_by_round(setup):
         assert rounds == st.rounds, (turn.conv, turn.turn)
     assert disagree == 0 and total >= 20
     assert 0 < accepted < K * total  # a head that is right often, and wrong sometimes: the test has teeth
+
+
+def test_chains_at_the_rounds_equal_the_full_ttt_pass(setup):
+    t, model, draft, convs, cache = setup
+    turns, d, _ = continuations(t, model, convs, MAX_NEW, tail=8, cache=cache, batch_size=4)
+    aux, _ = aux_states(model.get_decoder(), turns, AUX, d)
+    ids = torch.tensor([x for tr in turns for x in tr.ids])[None]  # [1, L]: every turn packed in one row
+    pos = torch.cat([torch.arange(len(tr.ids)) for tr in turns])[None]
+    a = torch.cat(aux).float()[None]
+    at = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) < 0.3
+    with torch.no_grad():
+        full = draft.ttt_states(ids, a, pos, K)
+    got = draft.ttt_states_at(ids, a, pos, K, at)
+    assert len(got) == K and got[0].shape == (int(at.sum()), full[0].shape[-1])
+    for f, g in zip(full, got):
+        torch.testing.assert_close(g, f[at], rtol=1e-5, atol=1e-5)
 
 
 def test_replay_report_matches_live_measure_and_caches(setup):

@@ -138,16 +138,27 @@ def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[i
 
 
 # ---------------------------------------------------------------- step 3: the draft's chains
+def rounds_window(turn: Turn, max_new: int) -> range:
+    """Positions t where a round of `walk` can start: t = prompt_len - 1 + (tokens out so far - 1) with
+    fewer than min(answer_len, max_new) tokens out."""
+    start = turn.prompt_len - 1
+    return range(start, start + max(min(turn.answer_len, max_new), 1))
+
+
 @torch.inference_mode()
-def proposals(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: int, pack: int = 4096,
-              chunk: int = 1024) -> list[np.ndarray]:
-    """props[i] [k, T_i]: the target id step j of the draft proposes at position t of turn i's sequence.
+def proposals(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: int, max_new: int | None = None,
+              pack: int = 4096, chunk: int = 1024) -> list[np.ndarray]:
+    """props[i] [k, T_i]: the target id step j of the draft proposes at position t of turn i's sequence,
+    at every t where a round can start (`rounds_window`; -1 elsewhere).
 
     Sequences are packed into rows of about `pack` tokens (positions restart per sequence, so the TTT
-    attention never crosses one); the draft's logits are formed `chunk` positions at a time.
+    attention never crosses one). The chains run at the rounds' positions only (`Eagle3Draft.ttt_states_at`:
+    a prompt position costs the step-0 keys and values, nothing more), and the logits are formed `chunk`
+    positions at a time.
     """
     dev = next(draft.parameters()).device
     dtype = draft.fc.weight.dtype
+    big = 1 << 30 if max_new is None else max_new
     order = sorted(range(len(turns)), key=lambda i: -len(turns[i].ids))
     rows: list[list[int]] = []
     for i in order:  # first fit, longest first
@@ -163,17 +174,24 @@ def proposals(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: int,
         ids = torch.tensor([t for i in r for t in turns[i].ids], device=dev)[None]  # [1, L]
         pos = torch.cat([torch.arange(len(turns[i].ids)) for i in r]).to(dev)[None]  # [1, L]
         a = torch.cat([aux[i] for i in r]).to(dev, dtype)[None]  # [1, L, 3, H]
-        states = draft.ttt_states(ids, a, pos, k)  # k x [1, L, H]
-        props = torch.stack([
-            torch.cat([draft.to_target_ids(draft.logits(s[0, c : c + chunk]).argmax(-1))
-                       for c in range(0, s.shape[1], chunk)])
-            for s in states
-        ]).cpu().numpy()  # [k, L]
-        at = 0
+        at = torch.zeros_like(ids, dtype=torch.bool)  # [1, L]
+        base = 0
+        for i in r:
+            w = rounds_window(turns[i], big)
+            at[0, base + w.start : base + min(w.stop, len(turns[i].ids))] = True
+            base += len(turns[i].ids)
+        states = draft.ttt_states_at(ids, a, pos, k, at)  # k x [n, H]
+        props = torch.full((k, ids.shape[1]), -1, dtype=torch.long)
+        cols = at[0].nonzero()[:, 0].cpu()
+        for j, s in enumerate(states):
+            props[j, cols] = torch.cat([draft.to_target_ids(draft.logits(s[c : c + chunk]).argmax(-1))
+                                        for c in range(0, s.shape[0], chunk)]).cpu()
+        props = props.numpy()
+        base = 0
         for i in r:
             n = len(turns[i].ids)
-            out[i] = props[:, at : at + n]
-            at += n
+            out[i] = props[:, base : base + n]
+            base += n
     return out  # type: ignore[return-value]
 
 
@@ -187,6 +205,8 @@ def walk(turn: Turn, props: np.ndarray, k: int, max_new: int, eos: set[int]) -> 
     rounds, out, t = [], 1, L - 1  # the prefill emitted s[L]; the first round starts after it
     stopped = s[L] in eos
     while out < max_new and not stopped:
+        if props[0, t] < 0:
+            raise ValueError(f"turn {turn.conv}/{turn.turn}: no proposal at position {t} (outside the rounds' window)")
         a = 0
         while a < k and props[a, t] == s[t + 2 + a]:
             a += 1
@@ -217,7 +237,7 @@ def replay(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], convs: Seq
     if any(k > len(t.ids) for t in turns):
         raise ValueError("a cached sequence is shorter than k")
     stats = Stats(k)
-    props = proposals(draft, turns, aux, k)
+    props = proposals(draft, turns, aux, k, max_new)
     by_conv: dict[str, list[dict[str, Any]]] = {c.id: [] for c in convs}
     per_conv: dict[str, list[int]] = {c.id: [0, 0] for c in convs}
     for t, p in zip(turns, props):
