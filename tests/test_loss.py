@@ -137,8 +137,9 @@ def test_draft_learns_a_fixed_target_end_to_end():
     assert out.accuracy[0] > first[1] + 0.2
 
 
+@pytest.mark.parametrize("loss", ["kl", "lk"])
 @pytest.mark.parametrize("chunk", [3, 512])
-def test_fused_loss_equals_autograd_reference(chunk):
+def test_fused_loss_equals_autograd_reference(chunk, loss):
     # The trainer's loss (lm_head applied chunk by chunk, gradient formed in forward) against the
     # plain autograd loss on logits: same value, per-step sums and hits, and gradients for the
     # states and the lm_head, on a packed row with out-of-vocab targets and masked tokens.
@@ -152,15 +153,16 @@ def test_fused_loss_equals_autograd_reference(chunk):
     top = torch.randint(-1, Vd, (B, L))
     mask = (torch.rand(B, L) > 0.2).long()
     doc = torch.tensor([[0] * 5 + [1] * 6, [0] * 11])
-    ref = ttt_loss([s @ w.T for s in states], tl, top, mask, doc)
+    ref = ttt_loss([s @ w.T for s in states], tl, top, mask, doc, loss=loss, eta=3.0)
     ref.loss.backward()
     g_ref = [s.grad.clone() for s in states] + [w.grad.clone()]
     for s in states:
         s.grad = None
     w.grad = None
-    out = ttt_loss_fused(states, w, tl, top, mask, doc, chunk=chunk)
+    out = ttt_loss_fused(states, w, tl, top, mask, doc, chunk=chunk, loss=loss, eta=3.0)
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.alpha_sum, ref.alpha_sum, atol=1e-5, rtol=1e-6)
     assert out.kl_count == ref.kl_count and out.count == ref.count and out.correct == ref.correct
     assert all(torch.equal(a, b) for a, b in zip(out.hits, ref.hits))
     torch.testing.assert_close(out.kl_sum, ref.kl_sum, atol=1e-5, rtol=1e-6)
@@ -168,3 +170,20 @@ def test_fused_loss_equals_autograd_reference(chunk):
         torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
     # hits matter for simulated acceptance: both branches occur
     assert 0 < sum(out.correct) < sum(out.count)
+
+
+def test_lk_loss_hand_computed():
+    # one step, two scored rows: p = (.5,.25,.25) vs q = (.25,.5,.25) -> alpha = .25+.25+.25 = .75, KL = .25 ln2;
+    # p = q -> alpha = 1, KL = 0. lambda = exp(-3 * mean alpha) = exp(-2.625).
+    p = torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]).log()[None]  # [1, 3, 3]
+    q = torch.tensor([[0.25, 0.5, 0.25], [0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]).log()[None].requires_grad_()
+    top = torch.tensor([[0, 1, 0]])
+    mask = torch.tensor([[1, 1, 1]])
+    # step 0 at t scores target s = t + 1 and needs token t + 2: t = 0 only (s = 1); shift so both rows count
+    tl = torch.cat([p[:, :1], p], 1)  # s = 1 -> p row 0, s = 2 -> p row 1
+    ql = torch.cat([q, q[:, :1]], 1)  # t = 0 -> q row 0, t = 1 -> q row 1
+    out = ttt_loss([ql], tl, torch.cat([top, top[:, :1]], 1), torch.ones(1, 4, dtype=torch.long), loss="lk", eta=3.0)
+    lam = math.exp(-3 * (0.75 + 1.0) / 2)
+    expected = (lam * 0.25 * LN2 + (1 - lam) * 0.25) / 2
+    assert out.kl_count == [2] and out.alpha_sum == pytest.approx([1.75], abs=1e-6)
+    assert out.loss.item() == pytest.approx(expected, abs=1e-6)

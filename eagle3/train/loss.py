@@ -1,4 +1,15 @@
-"""The EAGLE-3 loss: forward KL to the target's distribution over the draft vocab, per TTT step.
+"""The EAGLE-3 loss, per TTT step: forward KL to the target's distribution over the draft vocab
+(default), or an LK loss that aims at the acceptance rate itself.
+
+LK ("LK losses", Samarin et al., arXiv 2602.23881, the hybrid of its sections 4.2/4.4): with
+alpha = sum_v min(p_v, q_v) the overlap of target p and draft q (the acceptance rate of speculative
+sampling, 1 - TV(p, q)), step j's loss is
+    lambda_j * mean KL(p || q) + (1 - lambda_j) * mean (1 - alpha),   lambda_j = exp(-eta * mean alpha)
+with lambda_j detached and computed once per step and batch (as speculators' `lk_hybrid` and
+ModelOpt's `masked_lk_lambda_loss`, eta = 3): KL carries the cold start, where TV's gradient
+(O(1/V) per logit) vanishes, and TV takes over as the overlap grows. alpha is the acceptance rate of
+*sampled* verification; greedy verification (what `eagle3 eval` measures) accepts on top-1
+agreement, so whether LK helps there is a measured question (benchmarks/levers.py).
 
 Targets: p = softmax(lm_head_d(norm(final))) where `final` is the target's last layer output
 *before* its final norm, `norm` is the target's final RMSNorm and lm_head_d holds the target
@@ -18,6 +29,7 @@ serving time whatever the draft does (greedy verification). Such positions are
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -104,6 +116,7 @@ class TTTLossOutput:
     correct: list[int] = field(default_factory=list)  # per step: draft argmax == target argmax
     count: list[int] = field(default_factory=list)  # per step: loss-masked positions (top-1 denominator)
     hits: list[torch.Tensor] = field(default_factory=list)  # per step: [B, L] bool, the `correct` positions
+    alpha_sum: list[float] = field(default_factory=list)  # per step: summed overlap sum_v min(p, q) (KL rows)
 
     @property
     def accuracy(self) -> list[float]:
@@ -147,8 +160,11 @@ def ttt_loss(
     loss_mask: torch.Tensor,
     doc: torch.Tensor | None = None,
     weights: Sequence[float] | None = None,
+    loss: str = "kl",
+    eta: float = 3.0,
 ) -> TTTLossOutput:
-    """Weighted sum over steps j of the mean forward KL(p_target || q_draft_j), from draft logits.
+    """Weighted sum over steps j of the mean forward KL(p_target || q_draft_j), from draft logits
+    (`loss="lk"`: the LK hybrid of the module docstring, with `eta`).
 
     The plain autograd form, and the reference `ttt_loss_fused` is tested against.
     draft_logits: k tensors [B, L, Vd] (`Eagle3Draft.ttt_forward`); target_logits: [B, L, Vd]
@@ -163,13 +179,25 @@ def ttt_loss(
         valid, top, b_idx, t_idx = _step_rows(j, target_top, loss_mask, doc)
         logp = logp_all[b_idx, t_idx + j + 1]  # [N, Vd]
         p = logp.exp()
-        ce = F.cross_entropy(q_logits[b_idx, t_idx].float(), p, reduction="none")  # [N]
+        z = q_logits[b_idx, t_idx].float()
+        ce = F.cross_entropy(z, p, reduction="none")  # [N]
         kl = ce + (p * logp).sum(-1)  # [N] forward KL(p || q) = CE(p, q) - H(p)
+        alpha = torch.minimum(p, z.softmax(-1)).sum(-1)  # [N] overlap = 1 - TV(p, q)
         with torch.no_grad():
             hit = (q_logits.argmax(-1) == top) & valid & (top >= 0)
-        out.loss = out.loss + w * kl.sum() / max(int(b_idx.numel()), 1)
-        _record(out, kl.sum(), int(b_idx.numel()), hit, valid)
+        n = max(int(b_idx.numel()), 1)
+        if loss == "lk":
+            lam = lk_lambda(alpha.detach(), eta)
+            out.loss = out.loss + w * (lam * kl.sum() + (1 - lam) * (1 - alpha).sum()) / n
+        else:
+            out.loss = out.loss + w * kl.sum() / n
+        _record(out, kl.sum(), int(b_idx.numel()), hit, valid, alpha.sum())
     return out
+
+
+def lk_lambda(alpha: torch.Tensor, eta: float) -> float:
+    """The LK hybrid's KL weight for one step: exp(-eta * mean overlap) over its scored rows (1 when none)."""
+    return math.exp(-eta * float(alpha.mean())) if alpha.numel() else 1.0
 
 
 def ttt_loss_fused(
@@ -181,15 +209,18 @@ def ttt_loss_fused(
     doc: torch.Tensor | None = None,
     weights: Sequence[float] | None = None,
     chunk: int = 512,
+    loss: str = "kl",
+    eta: float = 3.0,
 ) -> TTTLossOutput:
-    """`ttt_loss(lm_head(states), ...)` without ever holding a [B, L, Vd] draft tensor.
+    """`ttt_loss(lm_head(states), ..., loss=loss, eta=eta)` without ever holding a [B, L, Vd] draft tensor.
 
     states: k tensors [B, L, H], the draft's normed states (`Eagle3Draft.ttt_states`);
     lm_head: the draft's lm_head weight [Vd, H]. The scored rows of all steps go through lm_head
     together, `chunk` rows at a time, each chunk's gradient formed on the spot (`_HeadKL`).
     Plain autograd keeps two [N, Vd] fp32 tensors per step for backward (log q and p): at
     L = 2048, Vd = 8192 and k = 3 that is 400 MB, the largest block of the trainer's peak
-    memory. Same FLOPs.
+    memory. Same FLOPs. With `loss="lk"` each step's lambda needs that step's mean overlap before
+    any gradient is formed: one more lm_head pass over the rows, without gradient, computes it.
     """
     weights, doc = _check(len(states), weights, target_logits.shape, target_top, loss_mask, doc)
     L = target_logits.shape[1]
@@ -201,18 +232,39 @@ def ttt_loss_fused(
         rows.append(b_idx * L + t_idx + j + 1)  # row of the target distribution in [B * L, Vd]
         scale.append(torch.full((b_idx.numel(),), w / max(b_idx.numel(), 1), device=h.device))
     need_grad = torch.is_grad_enabled() and (lm_head.requires_grad or any(h.requires_grad for h in states))
-    loss, kl, arg = _HeadKL.apply(torch.cat(hs), lm_head, target_logits.reshape(-1, target_logits.shape[-1]),
-                                  torch.cat(rows), torch.cat(scale), chunk, need_grad)
-    out = TTTLossOutput(loss=loss)
-    for (valid, top, b_idx, t_idx), kl_j, arg_j in zip(steps, kl.split([len(r) for r in rows]), arg.split([len(r) for r in rows])):
+    h_all, rows_all, tl = torch.cat(hs), torch.cat(rows), target_logits.reshape(-1, target_logits.shape[-1])
+    sizes = [len(r) for r in rows]
+    mix = None  # per row: the KL weight lambda of its step (the TV part gets 1 - lambda); None = pure KL
+    if loss == "lk":
+        with torch.no_grad():
+            alpha = _overlap(h_all, lm_head, tl, rows_all, chunk)
+        mix = torch.cat([torch.full((n,), lk_lambda(a, eta), device=h_all.device) for n, a in zip(sizes, alpha.split(sizes))])
+    out_loss, kl, arg, alpha = _HeadKL.apply(h_all, lm_head, tl, rows_all, torch.cat(scale), chunk, need_grad, mix)
+    out = TTTLossOutput(loss=out_loss)
+    for (valid, top, b_idx, t_idx), kl_j, arg_j, a_j in zip(steps, kl.split(sizes), arg.split(sizes), alpha.split(sizes)):
         hit = torch.zeros_like(valid)
         hit[b_idx, t_idx] = arg_j == top[b_idx, t_idx]
-        _record(out, kl_j.sum(), int(b_idx.numel()), hit, valid)
+        _record(out, kl_j.sum(), int(b_idx.numel()), hit, valid, a_j.sum())
     return out
 
 
-def _record(out: TTTLossOutput, kl_sum: torch.Tensor, n_kl: int, hit: torch.Tensor, valid: torch.Tensor) -> None:
+def _overlap(h: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, rows: torch.Tensor,
+             chunk: int) -> torch.Tensor:
+    """alpha_i = sum_v min(p_iv, softmax(h_i W^T)_v) per row, chunk by chunk. h [N, H] -> [N]."""
+    W = weight.float()
+    out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    with torch.autocast(h.device.type, enabled=False):
+        for s in range(0, h.shape[0], chunk):
+            q = (h[s : s + chunk].float() @ W.T).softmax(-1)
+            p = target_logits[rows[s : s + chunk]].float().softmax(-1)
+            out[s : s + chunk] = torch.minimum(p, q).sum(-1)
+    return out
+
+
+def _record(out: TTTLossOutput, kl_sum: torch.Tensor, n_kl: int, hit: torch.Tensor, valid: torch.Tensor,
+            alpha_sum: torch.Tensor) -> None:
     out.kl_sum.append(float(kl_sum.detach()))
+    out.alpha_sum.append(float(alpha_sum.detach()))
     out.kl_count.append(n_kl)
     out.correct.append(int(hit.sum()))
     out.count.append(int(valid.sum()))
@@ -220,19 +272,23 @@ def _record(out: TTTLossOutput, kl_sum: torch.Tensor, n_kl: int, hit: torch.Tens
 
 
 class _HeadKL(torch.autograd.Function):
-    """sum_i scale_i * KL(p_i || softmax(h_i W^T)) over rows i, p_i = softmax(target_logits[rows_i]).
+    """sum_i scale_i * KL(p_i || softmax(h_i W^T)) over rows i, p_i = softmax(target_logits[rows_i]);
+    with `mix` [N]: sum_i scale_i * (mix_i * KL_i + (1 - mix_i) * (1 - alpha_i)), alpha_i = sum_v min(p_i, q_i).
 
-    The gradient is formed in the forward pass, chunk by chunk (d KL / d z = softmax(z) - p),
-    so nothing of size [N, Vd] outlives a chunk; backward only scales the stored grads by the
-    incoming scalar. Also returns each row's KL and the draft argmax (for top-1 agreement).
+    The gradient is formed in the forward pass, chunk by chunk (d KL / d z = q - p; d (1 - alpha) / d z
+    = q * (s - m) with m = [q < p], s = sum_v m_v q_v), so nothing of size [N, Vd] outlives a chunk;
+    backward only scales the stored grads by the incoming scalar. Also returns each row's KL, the draft
+    argmax (for top-1 agreement) and the overlap alpha.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, target_logits, rows, scale, chunk, need_grad):  # h [N, H], weight [Vd, H], rows/scale [N]
+    def forward(ctx, h, weight, target_logits, rows, scale, chunk, need_grad, mix=None):  # h [N, H], weight [Vd, H], rows/scale/mix [N]
         W = weight.float()
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_grad else None
         grad_w = torch.zeros_like(W) if need_grad else None
         kl = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        alpha = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        tv_part = torch.zeros((), dtype=torch.float32, device=h.device)  # sum_i scale_i (1 - mix_i)(1 - alpha_i)
         arg = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         with torch.autocast(h.device.type, enabled=False):  # fp32 softmax and KL under bf16 autocast too
             for s in range(0, h.shape[0], chunk):
@@ -243,17 +299,29 @@ class _HeadKL(torch.autograd.Function):
                 logp = target_logits[rows[s : s + chunk]].float().log_softmax(-1)
                 p = logp.exp()
                 kl[s : s + chunk] = (p * (logp - logq)).sum(-1)
+                q = logq.exp_()  # in place: log q is not needed again
+                alpha[s : s + chunk] = torch.minimum(p, q).sum(-1)
+                sc = scale[s : s + chunk, None]
+                if mix is not None:
+                    mx = mix[s : s + chunk, None]
+                    tv_part += (sc * (1 - mx) * (1 - alpha[s : s + chunk, None])).sum()
                 if not need_grad:  # validation: no gradient to form
                     continue
-                dz = logq.exp_().sub_(p).mul_(scale[s : s + chunk, None])  # scale * (softmax(z) - p), in place
+                if mix is None:
+                    dz = q.sub_(p).mul_(sc)  # scale * (softmax(z) - p), in place
+                else:
+                    m = (q < p).float()
+                    tv = q * ((m * q).sum(-1, keepdim=True) - m)  # d (1 - alpha) / d z
+                    dz = q.sub_(p).mul_(mx).add_(tv.mul_(1 - mx)).mul_(sc)
                 grad_h[s : s + chunk] = dz @ W
                 grad_w.addmm_(dz.T, hc)
         if need_grad:
             ctx.save_for_backward(grad_h.to(h.dtype), grad_w.to(weight.dtype))
-        ctx.mark_non_differentiable(kl, arg)
-        return (kl * scale).sum(), kl, arg
+        ctx.mark_non_differentiable(kl, arg, alpha)
+        total = (kl * scale).sum() if mix is None else (kl * scale * mix).sum() + tv_part
+        return total, kl, arg, alpha
 
     @staticmethod
-    def backward(ctx, g, _gkl, _garg):
+    def backward(ctx, g, _gkl, _garg, _galpha):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * g, grad_w * g, None, None, None, None, None
+        return grad_h * g, grad_w * g, None, None, None, None, None, None
