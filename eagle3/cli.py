@@ -68,8 +68,8 @@ def _train(a) -> None:
 
     cfg = C.from_flags(C.TrainConfig, a, C.load_section(a.config, "train") if a.config else None)
     if cfg.nproc_per_node == 1:  # one process trains here; more go through torchrun (several nodes: run it yourself)
-        return T.run(cfg, a.hidden, a.verifier, a.out, a.verifier_name, a.restart_on_mismatch)
-    rc = subprocess.call(T.command(a.hidden, a.verifier, a.out, cfg, a.verifier_name, a.restart_on_mismatch))
+        return T.run(cfg, a.hidden, a.verifier, a.out, a.verifier_name, a.restart_on_mismatch, a.replay)
+    rc = subprocess.call(T.command(a.hidden, a.verifier, a.out, cfg, a.verifier_name, a.restart_on_mismatch, a.replay))
     if rc:
         raise UserError(f"torchrun exited with status {rc}")
 
@@ -81,6 +81,16 @@ def _eval(a) -> None:
                  progress=lambda i, n: print(f"eval: {i}/{n} prompts", file=sys.stderr, flush=True))
     _dump(a.out, m, "mode", "draft_format", "k", "num_prompts", "acceptance_length", "acceptance_length_ci",
           "per_position_acceptance", "lossless", "tokens_per_second", "target_tokens_per_second", "speedup_vs_target")
+
+
+def _replay_set(a) -> None:
+    from eagle3.eval.replay import build_replay_set
+
+    if a.threads:
+        __import__("torch").set_num_threads(a.threads)
+    d = build_replay_set(a.model, a.prompts, a.limit, a.max_new_tokens, a.aux_layers, trust_remote_code=a.trust_remote_code,
+                         cache=a.cache, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(d)  # the last line names the set (the train task reads it)
 
 
 def _verify(a) -> None:
@@ -138,6 +148,16 @@ COMMANDS = {
     "eval": ("stage 5: acceptance length, speedup and a lossless check of a draft head", _eval, C.EvalConfig, {},
              [MODEL, ("--draft", dict(required=True, help="draft dir: our final/, a native vLLM EAGLE-3 dir or a speculators dir")),
               OUT, TRUST]),
+    "replay-set": ("held-out prompts answered greedily by the target, with their aux states: what `eagle3 train "
+                   "--replay` validates on (prints the dir)", _replay_set, None, {},
+                   [MODEL, ("--prompts", dict(required=True, help="a prepared dir (its val split), 'mt-bench' or a "
+                                              "JSONL of prompts")),
+                    ("--limit", dict(type=int, default=32, help="prompts used (default 32)")),
+                    ("--max-new-tokens", dict(type=int, default=128, help="tokens per answer at most (default 128)")),
+                    ("--aux-layers", dict(type=C.comma_list(int), default=None, metavar="A,B,C",
+                                          help="3 aux layer ids (default the target's, as extract uses)")),
+                    ("--cache", dict(default=None, help="cache root (default $EAGLE3_CACHE_DIR/replay)")),
+                    ("--threads", dict(type=int, help="torch CPU threads (default: torch's)")), TRUST]),
     "verify": ("check every stage dir under DIR against its manifest checksums", _verify, None, {},
                [("dir", dict(help="a run dir (or one stage dir)")),
                 ("--deep", dict(action="store_true", help="re-read every byte, even of files this host already "

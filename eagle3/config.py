@@ -170,6 +170,14 @@ class TrainConfig(_Cfg):
     seed: int = Field(0, description="seed of the init and of the per-epoch shuffle")
     val_every: int = Field(200, ge=1, description="validate every N optimizer steps (and at each epoch end)")
     val_max_packs: int | None = Field(None, ge=1, description="cap validation at N packed rows; empty: the whole val split")
+    replay_prompts: int = Field(
+        32, ge=0, description="held-out prompts (the prepared val split) the target answers greedily once, before "
+        "training (hf backend); each validation replays chain decoding of the draft on those answers (replay tau: "
+        "on-policy, exact) and the best checkpoint is chosen by it; 0 = off (best by simulated tau). A target the "
+        "hf backend cannot run (Kimi-K2.5) needs 0",
+    )
+    replay_max_new_tokens: int = Field(128, ge=1, le=1 << 16, description="tokens per replay-set answer at most")
+    replay_k: int = Field(3, ge=1, le=32, description="draft tokens per round in the replay validation (serving k)")
     ckpt_every: int = Field(200, ge=1, description="checkpoint every N optimizer steps (and at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (plus the best by simulated tau)")
     log_every: int = Field(10, ge=1, description="log train metrics every N steps")
@@ -338,7 +346,7 @@ def _flag_type(ann: Any) -> tuple[Any, bool]:
     return ann, False
 
 
-def _comma_list(elem: type):
+def comma_list(elem: type):
     def parse(text: str) -> list:
         try:
             return [elem(x) for x in text.split(",") if x.strip()]
@@ -367,7 +375,7 @@ def add_flags(p: argparse.ArgumentParser, model: type[BaseModel], aliases: dict[
         elif origin is Literal:
             kw["choices"] = list(args)
         elif origin in (list, tuple):
-            kw.update(type=_comma_list(args[0]), metavar="A,B,...")
+            kw.update(type=comma_list(args[0]), metavar="A,B,...")
         elif ann in (int, float, str):
             kw["type"] = ann
         else:

@@ -225,7 +225,9 @@ class TrainedDraft(StageManifest):
     export_format: str = "vllm"
     steps: int = 0
     best_step: int = -1
+    best_metric: str = Field("sim_tau", description="what chose the best checkpoint: replay_tau, else sim_tau")
     best_sim_tau: float = 0.0
+    best_replay_tau: float | None = None
     val: dict[str, Any] = Field(default_factory=dict, description="the last validation record")
     draft_config: dict[str, Any] = Field(default_factory=dict)
     weights_sha256: str = ""

@@ -78,8 +78,10 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
     hidden = run_stage("extract", dirs["extract"], model=model, prepared=dirs["prepare"], cfg=config.extract,
                        reuse=reuse, trust_remote_code=trc, wait_for=[prepared])
     verifier = run_stage("verifier", dirs["verifier"], model=model, prepared=dirs["prepare"], wait_for=[prepared])
+    # model + prepared: the train stage first answers held-out prompts with the target (its replay set)
     trained = run_stage("train", dirs["train"], hidden=dirs["extract"], verifier=dirs["verifier"], cfg=config.train,
-                        verifier_name=model, wait_for=[hidden, verifier])
+                        verifier_name=model, model=model, prepared=dirs["prepare"], trust_remote_code=trc,
+                        wait_for=[hidden, verifier])
     final = f"{dirs['train']}/{trained.final_dir}"
     report = run_stage("eval", dirs["eval"], model=model, draft=final, cfg=config.eval, trust_remote_code=trc)
 

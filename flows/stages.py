@@ -166,9 +166,11 @@ def verifier(model: str, prepared: str, out: str) -> VerifierWeights:
 
 
 @flow(name="eagle3-train")
-def train(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "") -> TrainedDraft:
+def train(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "", model: str = "",
+          prepared: str = "", trust_remote_code: bool = False) -> TrainedDraft:
     """Stage 4 alone: train the draft under torchrun (a retry resumes from its last checkpoint)."""
-    return _done("train", own("train", out)(hidden, verifier, out, cfg, verifier_name), out)
+    return _done("train", own("train", out)(hidden, verifier, out, cfg, verifier_name, model, prepared,
+                                            trust_remote_code), out)
 
 
 @flow(name="eagle3-eval")

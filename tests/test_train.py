@@ -23,8 +23,10 @@ AUX = [1, 3, 4]  # the 6-layer tiny Llama: (2, N//2, N-3) would repeat 3
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory, tiny_llama_dir):
     """prepare -> extract -> verifier on the tiny Llama and 40 real ShareGPT conversations (the first 40
-    of the bundled file, or of $EAGLE3_TEST_SHAREGPT: a copy of them, where the package is absent)."""
+    of the bundled file, or of $EAGLE3_TEST_SHAREGPT: a copy of them, where the package is absent), and a
+    replay set: the target's greedy answers to the val prompts (root / "replay" names its dir)."""
     from eagle3.data.prepare import prepare
+    from eagle3.eval.replay import build_replay_set
     from eagle3.extract import run_extract
     from eagle3.verifier import extract_verifier
 
@@ -34,6 +36,8 @@ def stages(tmp_path_factory, tiny_llama_dir):
             progress=False)
     run_extract(tiny_llama_dir, root / "prep", root / "hid", ExtractConfig(aux_layer_ids=AUX), show_progress=False)
     extract_verifier(tiny_llama_dir, root / "prep", root / "ver")
+    d = build_replay_set(tiny_llama_dir, root / "prep", 8, 24, AUX, cache=root / "cache")
+    (root / "replay").write_text(str(d))
     return root
 
 
@@ -59,9 +63,18 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in recs if r["split"] == "train"}
 
 
+def vals(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "val"]
+
+
 def test_two_processes_equal_one_with_same_global_batch(stages, tmp_path):
-    run_train(stages, tmp_path / "one", "--max-steps", "4", "--grad-accum", "2", nproc=1)
-    run_train(stages, tmp_path / "two", "--max-steps", "4", "--grad-accum", "1", nproc=2)
+    replay = ["--replay", (stages / "replay").read_text(), "--val-every", "2"]  # ranks replay their share of turns
+    run_train(stages, tmp_path / "one", "--max-steps", "4", "--grad-accum", "2", *replay, nproc=1)
+    run_train(stages, tmp_path / "two", "--max-steps", "4", "--grad-accum", "1", *replay, nproc=2)
+    va, vb = vals(tmp_path / "one"), vals(tmp_path / "two")
+    assert [v["step"] for v in va] == [2, 4] and all(v["replay_rounds"] > 0 for v in va)
+    for x, y in zip(va, vb):
+        assert x["replay_rounds"] == y["replay_rounds"] and abs(x["replay_tau"] - y["replay_tau"]) <= 1e-9
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(a) == [1, 2, 3, 4] and a[1] > 0
     for s in a:
@@ -73,7 +86,8 @@ def test_two_processes_equal_one_with_same_global_batch(stages, tmp_path):
 
 
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(stages, tmp_path):
-    steps = ["--max-steps", "8", "--epochs", "5"]
+    # with a replay set: each validation replays the val prompts' greedy answers, and picks the best by it
+    steps = ["--max-steps", "8", "--epochs", "5", "--replay", (stages / "replay").read_text(), "--val-every", "3"]
     run_train(stages, tmp_path / "clean", *steps)
     p = run_train(stages, tmp_path / "killed", *steps, wait=False)
     deadline = time.time() + 300
@@ -90,6 +104,10 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(stages, tmp_path):
     assert done and done[-1].name == "step-00000004"
     run_train(stages, tmp_path / "killed", *steps)
     assert losses(tmp_path / "killed") == losses(tmp_path / "clean")  # bitwise: same steps, same floats
+    assert vals(tmp_path / "killed") == vals(tmp_path / "clean")  # replay tau included
+    m = json.loads((tmp_path / "clean" / "manifest.json").read_text())
+    assert m["best_metric"] == "replay_tau" and m["best_replay_tau"] >= 1.0
+    assert m["best_step"] in [v["step"] for v in vals(tmp_path / "clean")]
     a = load_file(tmp_path / "clean" / "final" / "model.safetensors")
     b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -21,6 +21,9 @@ round of a live run (`eagle3.eval.decode.speculative_generate`) can be reconstru
    proposals (a), emits a + 1 tokens (the bonus token is the target's) and the next round starts at
    t + a + 1; rounds go on while fewer than max_new tokens are out and none of them is a stop token.
 
+Steps 3 and 4 live in eagle3/chains.py, which the trainer's replay validation shares (`build_replay_set`
+below makes its replay set: held-out prompts answered the same way).
+
 Replay agrees with live decoding round for round up to float near-ties (the draft in one pass vs
 step by step with a cache; a batched vs a batch-1 target). tau gets a 95% bootstrap CI over prompts.
 It measures no speed and checks no losslessness: `eagle3 eval --mode live` does both.
@@ -31,7 +34,6 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +41,8 @@ import numpy as np
 import torch
 
 from eagle3.atomic import atomic_dir, atomic_path, sha256_json
+from eagle3.chains import FORMAT, MANIFEST, TURNS, Turn, aux_path, proposals, walk
 
-FORMAT = 1
-TURNS = "turns.jsonl"
 Progress = Callable[[str], None]
 
 
@@ -49,18 +50,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("EAGLE3_CACHE_DIR", Path.home() / ".cache" / "eagle3")) / "replay"
 
 
-@dataclass
-class Turn:
-    """One answered turn: the prompt's ids, then the target's greedy answer and `tail` tokens past it."""
-
-    conv: str
-    turn: int
-    prompt_len: int
-    ids: list[int]
-    answer_len: int  # tokens of the answer as the live evaluator returns it (cut at max_new / after a stop)
-
-
 # ---------------------------------------------------------------- step 1: greedy continuations
+def cache_dir(target, convs: Sequence, max_new: int, tail: int, device_type: str, dtype: torch.dtype,
+              cache: Path | None = None) -> Path:
+    """Where the continuations of `convs` live: keyed by everything that changes them."""
+    key = sha256_json({
+        "format": FORMAT, "target": target.generation_fingerprint(), "max_new": max_new, "tail": tail,
+        "device": device_type, "dtype": str(dtype),
+        "prompts": [[c.id, c.messages, c.followups, c.ids] for c in convs],
+    })
+    return (cache or cache_root()) / key[:32]
+
+
 def continuations(target, model: torch.nn.Module, convs: Sequence, max_new: int, tail: int, *, batch_size: int = 32,
                   cache: Path | None = None, progress: Progress | None = None) -> tuple[list[Turn], Path, float]:
     """The target's greedy answer to every turn of every conversation (cached). Returns the turns, the
@@ -71,12 +72,7 @@ def continuations(target, model: torch.nn.Module, convs: Sequence, max_new: int,
     from eagle3.target import prompt_ids
 
     p = next(model.parameters())
-    key = sha256_json({
-        "format": FORMAT, "target": target.generation_fingerprint(), "max_new": max_new, "tail": tail,
-        "device": p.device.type, "dtype": str(p.dtype),
-        "prompts": [[c.id, c.messages, c.followups, c.ids] for c in convs],
-    })
-    d = (cache or cache_root()) / key[:32]
+    d = cache_dir(target, convs, max_new, tail, p.device.type, p.dtype, cache)
     if (d / TURNS).is_file():
         with open(d / TURNS, encoding="utf-8") as f:
             return [Turn(**json.loads(line)) for line in f], d, 0.0
@@ -111,8 +107,9 @@ def continuations(target, model: torch.nn.Module, convs: Sequence, max_new: int,
     seconds = time.perf_counter() - t0
     with atomic_dir(d) as tmp:
         (tmp / TURNS).write_text("".join(json.dumps(t.__dict__) + "\n" for t in turns), encoding="utf-8")
-        (tmp / "manifest.json").write_text(json.dumps({"format": FORMAT, "turns": len(turns), "max_new": max_new,
-                                                        "tail": tail, "generate_seconds": round(seconds, 2)}))
+        (tmp / MANIFEST).write_text(json.dumps({
+            "format": FORMAT, "turns": len(turns), "max_new": max_new, "tail": tail, "stop_ids": sorted(eos),
+            "model_fingerprint": target.fingerprint(), "generate_seconds": round(seconds, 2)}))
     return turns, d, seconds
 
 
@@ -124,7 +121,7 @@ def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[i
 
     from eagle3.capture import hidden_states
 
-    path = d / f"aux-{'-'.join(map(str, aux_ids))}.safetensors"
+    path = aux_path(d, aux_ids)
     if path.is_file():
         t = load_file(str(path))
         return [t[str(i)] for i in range(len(turns))], 0.0
@@ -137,84 +134,30 @@ def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[i
     return [out[str(i)] for i in range(len(turns))], time.perf_counter() - t0
 
 
-# ---------------------------------------------------------------- step 3: the draft's chains
-def rounds_window(turn: Turn, max_new: int) -> range:
-    """Positions t where a round of `walk` can start: t = prompt_len - 1 + (tokens out so far - 1) with
-    fewer than min(answer_len, max_new) tokens out."""
-    start = turn.prompt_len - 1
-    return range(start, start + max(min(turn.answer_len, max_new), 1))
+def build_replay_set(model_dir: str | Path, prompts: str | Path, limit: int, max_new: int, aux_ids: Sequence[int] | None,
+                     tail: int = 8, trust_remote_code: bool = False, cache: str | Path | None = None,
+                     device: str | None = None, progress: Progress | None = None) -> Path:
+    """The target's greedy answers to the first `limit` prompts of `prompts` (e.g. a prepared dir's val
+    split) and their aux states; returns the (content-cached) dir that `ReplaySet.load` reads."""
+    from eagle3.eval.prompts import load_prompts
+    from eagle3.target import Target, check_aux_ids, default_aux_ids
 
-
-@torch.inference_mode()
-def proposals(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: int, max_new: int | None = None,
-              pack: int = 4096, chunk: int = 1024) -> list[np.ndarray]:
-    """props[i] [k, T_i]: the target id step j of the draft proposes at position t of turn i's sequence,
-    at every t where a round can start (`rounds_window`; -1 elsewhere).
-
-    Sequences are packed into rows of about `pack` tokens (positions restart per sequence, so the TTT
-    attention never crosses one). The chains run at the rounds' positions only (`Eagle3Draft.ttt_states_at`:
-    a prompt position costs the step-0 keys and values, nothing more), and the logits are formed `chunk`
-    positions at a time.
-    """
-    dev = next(draft.parameters()).device
-    dtype = draft.fc.weight.dtype
-    big = 1 << 30 if max_new is None else max_new
-    order = sorted(range(len(turns)), key=lambda i: -len(turns[i].ids))
-    rows: list[list[int]] = []
-    for i in order:  # first fit, longest first
-        n = len(turns[i].ids)
-        for r in rows:
-            if sum(len(turns[j].ids) for j in r) + n <= pack:
-                r.append(i)
-                break
-        else:
-            rows.append([i])
-    out: list[np.ndarray | None] = [None] * len(turns)
-    for r in rows:
-        ids = torch.tensor([t for i in r for t in turns[i].ids], device=dev)[None]  # [1, L]
-        pos = torch.cat([torch.arange(len(turns[i].ids)) for i in r]).to(dev)[None]  # [1, L]
-        a = torch.cat([aux[i] for i in r]).to(dev, dtype)[None]  # [1, L, 3, H]
-        at = torch.zeros_like(ids, dtype=torch.bool)  # [1, L]
-        base = 0
-        for i in r:
-            w = rounds_window(turns[i], big)
-            at[0, base + w.start : base + min(w.stop, len(turns[i].ids))] = True
-            base += len(turns[i].ids)
-        states = draft.ttt_states_at(ids, a, pos, k, at)  # k x [n, H]
-        props = torch.full((k, ids.shape[1]), -1, dtype=torch.long)
-        cols = at[0].nonzero()[:, 0].cpu()
-        for j, s in enumerate(states):
-            props[j, cols] = torch.cat([draft.to_target_ids(draft.logits(s[c : c + chunk]).argmax(-1))
-                                        for c in range(0, s.shape[0], chunk)]).cpu()
-        props = props.numpy()
-        base = 0
-        for i in r:
-            n = len(turns[i].ids)
-            out[i] = props[:, base : base + n]
-            base += n
-    return out  # type: ignore[return-value]
-
-
-# ---------------------------------------------------------------- step 4: the rounds
-def walk(turn: Turn, props: np.ndarray, k: int, max_new: int, eos: set[int]) -> list[int]:
-    """Accepted draft tokens per round, in the order live chain decoding runs its rounds."""
-    s, L = turn.ids, turn.prompt_len
-    if len(s) < L + min(turn.answer_len, max_new) + k:
-        raise ValueError(f"turn {turn.conv}/{turn.turn}: the cached continuation ends before the last round's "
-                         f"proposals can be checked (need tail >= k={k})")
-    rounds, out, t = [], 1, L - 1  # the prefill emitted s[L]; the first round starts after it
-    stopped = s[L] in eos
-    while out < max_new and not stopped:
-        if props[0, t] < 0:
-            raise ValueError(f"turn {turn.conv}/{turn.turn}: no proposal at position {t} (outside the rounds' window)")
-        a = 0
-        while a < k and props[a, t] == s[t + 2 + a]:
-            a += 1
-        rounds.append(a)
-        stopped = any(x in eos for x in s[t + 2 : t + 3 + a])  # the a accepted tokens and the bonus one
-        out += a + 1
-        t += a + 1
-    return rounds
+    target = Target.open(model_dir, trust_remote_code)
+    convs, _ = load_prompts(prompts, limit)
+    aux_ids = check_aux_ids(aux_ids, target.num_layers) if aux_ids else default_aux_ids(target.num_layers)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    d = cache_dir(target, convs, max_new, tail, dev.type, torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                  Path(cache) if cache else None)  # the dtype `load_model` picks
+    if (d / TURNS).is_file() and aux_path(d, aux_ids).is_file():
+        return d  # built before: no model to load
+    model = target.load_model(head=True, device=dev)
+    turns, d, gen_s = continuations(target, model, convs, max_new, tail, cache=Path(cache) if cache else None,
+                                    progress=progress)
+    _, aux_s = aux_states(model.get_decoder(), turns, aux_ids, d)
+    if progress is not None:
+        progress(f"replay set {d}: {len(turns)} turns, {sum(t.answer_len for t in turns)} answer tokens "
+                 f"(continuations {gen_s:.1f} s, aux states {aux_s:.1f} s; 0 = cached)")
+    return d
 
 
 def bootstrap_ci(per_conv: list[tuple[int, int]], n: int = 2000, seed: int = 0) -> list[float]:

@@ -26,22 +26,28 @@ FLAGS = [
     ("--verifier-name", dict(default="", help="target name recorded in a speculators export")),
     ("--restart-on-mismatch", dict(action="store_true", help="clear checkpoints of another config/inputs in --out "
                                    "instead of refusing to start")),
+    ("--replay", dict(default=None, help="a replay set dir (`eagle3 replay-set`): validation reports replay tau on it "
+                      "and picks the best checkpoint by it (with --replay-prompts above 0)")),
 ]
 ALIASES = {"export_format": "--format"}
 
 
-def command(hidden, verifier, out, cfg: C.TrainConfig, verifier_name: str = "", restart_on_mismatch: bool = False) -> list[str]:
-    """The torchrun command that trains `cfg` (written whole to <out>/train_config.json) on these stage dirs."""
+def command(hidden, verifier, out, cfg: C.TrainConfig, verifier_name: str = "", restart_on_mismatch: bool = False,
+            replay: str | None = None) -> list[str]:
+    """The torchrun command that trains `cfg` (written whole to <out>/train_config.json) on these stage dirs
+    (validating on the replay set `replay`, when given)."""
     Path(out).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(out) / CONFIG_FILE, cfg.model_dump_json(indent=1))
     argv = ["--hidden", str(hidden), "--verifier", str(verifier), "--out", str(out), "--config", str(Path(out) / CONFIG_FILE)]
     argv += ["--verifier-name", verifier_name] if verifier_name else []
     argv += ["--restart-on-mismatch"] if restart_on_mismatch else []
+    argv += ["--replay", str(replay)] if replay else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc_per_node}",
             "-m", "eagle3.train", *argv]
 
 
-def run(cfg: C.TrainConfig, hidden, verifier, out, verifier_name: str = "", restart_on_mismatch: bool = False) -> None:
+def run(cfg: C.TrainConfig, hidden, verifier, out, verifier_name: str = "", restart_on_mismatch: bool = False,
+        replay: str | None = None) -> None:
     """This process's part of training `cfg` (rank 0 holds the out dir's lock)."""
     from eagle3.lock import RunLock
     from eagle3.train.loop import train
@@ -49,7 +55,8 @@ def run(cfg: C.TrainConfig, hidden, verifier, out, verifier_name: str = "", rest
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     with RunLock(out) if rank == 0 else nullcontext():
-        train(cfg, hidden, verifier, out, verifier_name=verifier_name, restart_on_mismatch=restart_on_mismatch)
+        train(cfg, hidden, verifier, out, verifier_name=verifier_name, restart_on_mismatch=restart_on_mismatch,
+              replay=replay)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = C.from_flags(C.TrainConfig, a, C.load_section(a.config, "train") if a.config else None)
-        run(cfg, a.hidden, a.verifier, a.out, a.verifier_name, a.restart_on_mismatch)
+        run(cfg, a.hidden, a.verifier, a.out, a.verifier_name, a.restart_on_mismatch, a.replay)
     except (ValueError, FileNotFoundError, LockedError) as e:
         print(f"eagle3 train (rank {rank}): error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,8 @@ Multi-node: pass torchrun's own flags through, e.g.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -77,6 +79,25 @@ def wrap(model: nn.Module, d: Dist, fsdp: bool = False) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+
+
+@contextmanager
+def gathered(model: nn.Module, fsdp: bool) -> Iterator[None]:
+    """Inside the block every FSDP2 module of `model` holds its full parameters, so its submodules can
+    run outside the wrapped forward (the replay validation calls the draft directly); no-op without FSDP."""
+    if not fsdp:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

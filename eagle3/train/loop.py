@@ -23,6 +23,7 @@ from torch import nn
 
 from eagle3.manifests import HiddenStates, TrainedDraft, VerifierWeights
 from eagle3.atomic import append_text, atomic_write_text, sha256_file
+from eagle3.chains import ReplaySet, replay_counts
 from eagle3.config import TrainConfig
 from eagle3.store import open_store
 from eagle3.model import DraftConfig, Eagle3Draft
@@ -184,24 +185,46 @@ def validate(model, head, store, cfg: TrainConfig, world: dist.Dist, amp, cache:
     return m.reduce(world)
 
 
-def inputs(hidden_dir: str | Path, verifier_dir: str | Path, cfg: TrainConfig) -> dict[str, Any]:
+def inputs(hidden_dir: str | Path, verifier_dir: str | Path, cfg: TrainConfig,
+           replay: ReplaySet | None = None) -> dict[str, Any]:
     """What a trained draft depends on: the hidden states' and verifier's manifests, a warm start's weights,
-    and the config. The stage's "already done" check (and checkpoints' resume check) and the Prefect task's
-    cache key are all this dict."""
+    the config, and the replay set validation chose the best checkpoint by. The stage's "already done" check
+    (and checkpoints' resume check) and the Prefect task's cache key are all this dict; the task keys without
+    the replay set, which it builds from what the key holds (the target and the prepared data, both behind
+    the hidden states, and cfg's replay fields)."""
     return {
         "hidden_states": HiddenStates.read(hidden_dir).fingerprint,
         "verifier": VerifierWeights.read(verifier_dir).fingerprint,
         "init_from": sha256_file(Path(cfg.init_from) / "model.safetensors") if cfg.init_from else None,
         "config": cfg.model_dump(mode="json"),
+        **({"replay": replay.fingerprint} if replay is not None else {}),
     }
 
 
+def replay_validate(draft: Eagle3Draft, rs: ReplaySet, k: int, d: dist.Dist, amp, gather) -> dict[str, Any]:
+    """Replay tau of the draft on a replay set (eagle3/chains.py): every rank replays its share of the
+    turns, the counts are summed. `gather`: a context giving the draft its full parameters (FSDP)."""
+    mine = range(d.rank, len(rs.turns), d.world)
+    was = draft.training
+    draft.eval()
+    with torch.no_grad(), amp, gather:
+        c = replay_counts(draft, [rs.turns[i] for i in mine], [rs.aux[i] for i in mine], k, rs.max_new, rs.stop_ids)
+    draft.train(was)
+    c = dist.all_sum(c, d)
+    n = max(c[1], 1.0)
+    return {"replay_tau": 1.0 + c[0] / n, "replay_per_position_acceptance": [x / n for x in c[2:]],
+            "replay_rounds": int(c[1])}
+
+
 def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, out: str | Path,
-          verifier_name: str = "", progress: bool = True, restart_on_mismatch: bool = False) -> TrainedDraft | None:
+          verifier_name: str = "", progress: bool = True, restart_on_mismatch: bool = False,
+          replay: str | Path | None = None) -> TrainedDraft | None:
     """Train (or resume) a draft; rank 0 returns the manifest of `out`, other ranks None.
 
     Checkpoints in `out` from another config or other inputs are an error, or, with
     `restart_on_mismatch` (the pipeline's choice: its stage dir follows its inputs), are cleared.
+    `replay`: a replay set dir (`eagle3 replay-set`); with `cfg.replay_prompts` > 0
+    each validation reports its replay tau, and the best checkpoint is chosen by it.
     """
     hidden_dir, verifier_dir, out = Path(hidden_dir), Path(verifier_dir), Path(out)
     world = dist.init()
@@ -211,7 +234,14 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         raise ValueError("--fsdp needs CUDA; on CPU the trainer uses DDP")
     hidden = HiddenStates.read(hidden_dir)
     ver = VerifierWeights.read(verifier_dir)
-    fp = inputs(hidden_dir, verifier_dir, cfg)
+    rs = None
+    if replay is not None and cfg.replay_prompts:
+        rs = ReplaySet.load(replay, hidden.aux_layer_ids)
+        if rs.model_fingerprint != hidden.model_fingerprint:
+            raise ValueError(f"replay set {replay} was built from another target than the hidden states in {hidden_dir}")
+    elif cfg.replay_prompts and world.main:
+        log.info("train: no replay set given (--replay): validation reports simulated tau only")
+    fp = inputs(hidden_dir, verifier_dir, cfg, rs)
     config = cfg.model_dump(mode="json")
     if world.main and TrainedDraft.exists(out):
         done = TrainedDraft.read(out)
@@ -296,14 +326,19 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         nonlocal best, last_val
         last_val = pos.step
         v = validate(model, head, val_store, cfg, world, amp, tops)
-        if not v:
+        if rs is not None:
+            v.update(replay_validate(draft, rs, cfg.replay_k, world, amp, dist.gathered(model, cfg.fsdp)))
+        metric = "replay_tau" if "replay_tau" in v else "sim_tau"
+        if metric not in v:
             return
         if world.main:
             emit({"split": "val", "step": pos.step, "epoch": pos.epoch, **v})
-            log.info("val step %d: loss %.4f acc %s sim tau %.3f", pos.step, v["loss"],
-                     [round(a, 3) for a in v["acc"]], v["sim_tau"])
-        if v["sim_tau"] > best["tau"]:
-            best = {"tau": v["sim_tau"], "step": pos.step}
+            log.info("val step %d: loss %.4f acc %s sim tau %.3f%s", pos.step, v.get("loss", float("nan")),
+                     [round(a, 3) for a in v.get("acc", [])], v.get("sim_tau", float("nan")),
+                     f" replay tau {v['replay_tau']:.3f} (k={cfg.replay_k})" if "replay_tau" in v else "")
+        if v[metric] > best["tau"]:
+            best = {"tau": v[metric], "step": pos.step, "metric": metric, "sim_tau": v.get("sim_tau"),
+                    "replay_tau": v.get("replay_tau")}
             save(ckpt.BEST)
 
     from tqdm.auto import tqdm
@@ -365,17 +400,22 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         state_dict, _, meta = ckpt.load(src)
         export(state_dict, draft.config, cfg.ttt_steps, out / FINAL, cfg.export_format,
                verifier=verifier_name or hidden.model_dir,
-               extra={"best_step": best["step"], "sim_tau": best["tau"], "train_config": config})
+               extra={"best_step": best["step"], "best_metric": best.get("metric", "sim_tau"),
+                      "sim_tau": best.get("sim_tau", best["tau"]), "replay_tau": best.get("replay_tau"),
+                      "train_config": config})
         plot_curves(metrics_path, out / "curves.png")
         result = TrainedDraft(
             config=config, inputs=fp, final_dir=FINAL, export_format=cfg.export_format,
-            steps=pos.step, best_step=best["step"], best_sim_tau=best["tau"],
+            steps=pos.step, best_step=best["step"], best_metric=best.get("metric", "sim_tau"),
+            best_sim_tau=best["sim_tau"] if best.get("sim_tau") is not None
+            else (best["tau"] if best.get("metric", "sim_tau") == "sim_tau" else 0.0),
+            best_replay_tau=best.get("replay_tau"),
             val=_last_val(metrics_path), draft_config=draft.config.model_dump(mode="json"),
             weights_sha256=sha256_file(out / FINAL / "model.safetensors"),
         )
         result.write(out)
-        log.info("train: done, %d steps; best sim tau %.3f at step %d; exported %s", pos.step, best["tau"],
-                 best["step"], out / FINAL)
+        log.info("train: done, %d steps; best %s %.3f at step %d; exported %s", pos.step,
+                 best.get("metric", "sim_tau").replace("_", " "), best["tau"], best["step"], out / FINAL)
     dist.shutdown()
     return result
 
