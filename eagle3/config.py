@@ -265,6 +265,13 @@ class EvalConfig(_Cfg):
     replay_cache: str | None = Field(
         None, description="replay: dir of the cached greedy answers and aux states (default $EAGLE3_CACHE_DIR/replay)"
     )
+    live_check: int = Field(
+        0, ge=0, description="replay mode: also decode the first N prompts live (speculative and plain greedy, timed): "
+        "the lossless check and the speedup figure of the report come from them; 0 = none",
+    )
+    live_max_new_tokens: int | None = Field(
+        None, ge=1, le=1 << 16, description="live check: tokens per turn; empty: max_new_tokens"
+    )
     gpu_memory_utilization: float = Field(
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
     )

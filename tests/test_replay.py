@@ -150,6 +150,11 @@ def test_eval_cli_replay_mode(setup, head, tiny_llama_dir, tmp_path):
     assert r["mode"] == "replay" and live["mode"] == "live" and live["lossless"] is True
     assert r["acceptance_length"] == live["acceptance_length"] and r["num_drafts"] == live["num_drafts"]
     assert r["lossless"] is None and r["speedup_vs_target"] is None and len(r["acceptance_length_ci"]) == 2
+    # replay of every prompt plus a live check of the first: lossless and speed from it, tau from the replay
+    assert main([*args, "--mode", "replay", "--live-check", "1", "--out", str(tmp_path / "rl")]) == 0
+    rl = json.loads((tmp_path / "rl" / "report.json").read_text())
+    assert rl["acceptance_length"] == r["acceptance_length"] and rl["mode"] == "replay"
+    assert rl["lossless"] is True and rl["speedup_vs_target"] > 0 and rl["live"]["num_prompts"] == 1
     # abbreviations are refused: `--mod replay` must never be read as `--model replay`
     with pytest.raises(SystemExit) as e:
         main(["eval", "--mod", "replay", "--draft", str(head), "--out", str(tmp_path / "z")])

@@ -6,7 +6,8 @@
   the same process (`eagle3.eval.decode`): tau, per-position acceptance, tokens/s, speedup, and a
   lossless check of every output;
 - replay: the exact tau of those rounds from the target's cached greedy answers and one TTT pass of
-  the draft (`eagle3.eval.replay`), with a 95% bootstrap CI; no speed, no lossless check;
+  the draft (`eagle3.eval.replay`), with a 95% bootstrap CI; no speed, no lossless check, unless
+  `live_check` N > 0 also decodes the first N prompts live (report `live`: lossless and speed from them);
 - backend vllm (GPU host, live only): the same report from vLLM's own counters (`eagle3.eval.vllm`).
 """
 from __future__ import annotations
@@ -76,6 +77,10 @@ def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg:
     if cfg.mode == "replay":
         report = replay_report(Target.open(model_dir, trust_remote_code), model, draft, convs, cfg.k,
                                cfg.max_new_tokens, eos, cfg.replay_cache)
+        if cfg.live_check:  # a few prompts decoded for real: lossless and speed, next to the exact tau of all
+            live = measure(model, tok, DraftProposer(draft), draft.config.aux_layer_ids, convs[: cfg.live_check],
+                           cfg.k, cfg.live_max_new_tokens or cfg.max_new_tokens, eos, progress=progress)
+            report = with_live_check(report, live)
     else:
         report = measure(model, tok, DraftProposer(draft), draft.config.aux_layer_ids, convs, cfg.k,
                          cfg.max_new_tokens, eos, progress=progress)
@@ -101,6 +106,17 @@ def replay_report(target: Target, model: torch.nn.Module, draft: Eagle3Draft, co
     log.info("replay: cache %s (continuations %.1f s, aux states %.1f s; 0 = cached), replay %.1f s", d, gen_s, aux_s,
              time.perf_counter() - t1)
     return report
+
+
+def with_live_check(replay: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """A replay report with a live run of some of its prompts: lossless, speed and the samples from the live run
+    (its own tau and counts under `live`), tau and the acceptance figures from the replay."""
+    keys = ("lossless", "tokens_per_second", "target_tokens_per_second", "speedup_vs_target", "spec_seconds",
+            "target_seconds")
+    out = {**replay, **{k: live[k] for k in keys}, "items": live["items"]}
+    out["live"] = {k: live[k] for k in (*keys, "acceptance_length", "per_position_acceptance", "num_prompts",
+                                        "num_turns", "num_drafts", "generated_tokens", "max_new_tokens")}
+    return out
 
 
 def cast_draft(draft: Eagle3Draft, device, dtype) -> Eagle3Draft:
