@@ -52,52 +52,36 @@ def rounds_window(turn: Turn, max_new: int) -> range:
 
 @torch.inference_mode()
 def proposals(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: int, max_new: int | None = None,
-              pack: int = 4096, chunk: int = 1024) -> list[np.ndarray]:
+              chunk: int = 1024) -> list[np.ndarray]:
     """props[i] [k, T_i]: the target id step j of the draft proposes at position t of turn i's sequence,
-    at every t where a round can start (`rounds_window`; -1 elsewhere).
+    wherever `walk` can look at it (-1 elsewhere).
 
-    Sequences are packed into rows of about `pack` tokens (positions restart per sequence, so the TTT
-    attention never crosses one). The chains run at the rounds' positions only (`Eagle3Draft.ttt_states_at`:
-    a prompt position costs the step-0 keys and values, nothing more), and the logits are formed `chunk`
-    positions at a time.
+    Per sequence, one chain pass (`Eagle3Draft.ttt_states_at`) at the positions where a round can start
+    (`rounds_window`), continued to step j + 1 only where proposals 0..j were all right (`walk` reads a
+    proposal after a miss never); the logits are formed `chunk` positions at a time.
     """
     dev = next(draft.parameters()).device
     dtype = draft.fc.weight.dtype
     big = 1 << 30 if max_new is None else max_new
-    order = sorted(range(len(turns)), key=lambda i: -len(turns[i].ids))
-    rows: list[list[int]] = []
-    for i in order:  # first fit, longest first
-        n = len(turns[i].ids)
-        for r in rows:
-            if sum(len(turns[j].ids) for j in r) + n <= pack:
-                r.append(i)
-                break
-        else:
-            rows.append([i])
-    out: list[np.ndarray | None] = [None] * len(turns)
-    for r in rows:
-        ids = torch.tensor([t for i in r for t in turns[i].ids], device=dev)[None]  # [1, L]
-        pos = torch.cat([torch.arange(len(turns[i].ids)) for i in r]).to(dev)[None]  # [1, L]
-        a = torch.cat([aux[i] for i in r]).to(dev, dtype)[None]  # [1, L, 3, H]
-        at = torch.zeros_like(ids, dtype=torch.bool)  # [1, L]
-        base = 0
-        for i in r:
-            w = rounds_window(turns[i], big)
-            at[0, base + w.start : base + min(w.stop, len(turns[i].ids))] = True
-            base += len(turns[i].ids)
-        states = draft.ttt_states_at(ids, a, pos, k, at)  # k x [n, H]
-        props = torch.full((k, ids.shape[1]), -1, dtype=torch.long)
-        cols = at[0].nonzero()[:, 0].cpu()
-        for j, s in enumerate(states):
-            props[j, cols] = torch.cat([draft.to_target_ids(draft.logits(s[c : c + chunk]).argmax(-1))
-                                        for c in range(0, s.shape[0], chunk)]).cpu()
-        props = props.numpy()
-        base = 0
-        for i in r:
-            n = len(turns[i].ids)
-            out[i] = props[:, base : base + n]
-            base += n
-    return out  # type: ignore[return-value]
+    out = []
+    for turn, a in zip(turns, aux):
+        ids = torch.tensor(turn.ids, device=dev)
+        L = len(turn.ids)
+        w = rounds_window(turn, big)
+        at = torch.zeros(L, dtype=torch.bool, device=dev)
+        at[w.start : min(w.stop, L)] = True
+        props = torch.full((k, L), -1, dtype=torch.long)
+        nxt = torch.cat([ids, ids.new_full((k + 2,), -1)])  # the target's tokens, -1 past the end
+
+        def keep(j: int, t: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+            p = torch.cat([draft.to_target_ids(draft.logits(normed[c : c + chunk]).argmax(-1))
+                           for c in range(0, normed.shape[0], chunk)])  # [n]
+            props[j, t.cpu()] = p.cpu()
+            return p == nxt[t + j + 2]  # proposal j at t is checked against the target's token t + j + 2
+
+        draft.ttt_states_at(ids[None], a.to(dev, dtype)[None], k, at, keep)
+        out.append(props.numpy())
+    return out
 
 
 # ---------------------------------------------------------------- the rounds

@@ -22,6 +22,7 @@ Two ways to run it:
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -468,51 +469,58 @@ class Eagle3Draft(nn.Module):
         self,
         input_ids: torch.Tensor,
         aux: torch.Tensor,
-        position_ids: torch.Tensor,
         steps: int,
         at: torch.Tensor,
-        doc: torch.Tensor | None = None,
-        block: int | None = None,
-    ) -> list[torch.Tensor]:
-        """`ttt_states` (same arguments) read at the positions `at` [B, L] (bool) only, for inference:
-        `steps` tensors [n, H], the rows (b, t) of `at.nonzero()` in that order.
+        keep: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`ttt_states` of one sequence (B = 1, positions 0..L-1) read only where chains are needed, for
+        inference: per step j, (positions t [n_j], normed states [n_j, H]) -- the rows t of ttt_states'
+        step-j output.
 
-        A chain at t reads step-0 keys/values at every position s <= t of its document, and steps
-        1..j only at t itself, so step 0 projects every position while its attention output, the
-        MLP and every later step run at `at` alone (replay evaluation needs the chains of the
-        answers, not of the prompts). The attention is the same kernel on the row's grid: the later
-        steps' queries and keys sit at their positions, zeros elsewhere, whose outputs are dropped.
+        input_ids: [1, L]; aux: [1, L, 3, Ht]; at: [L] bool, the positions whose chains are wanted.
+        keep(j, t, normed) -> bool [n_j]: which of step j's positions go on to step j + 1 (default all):
+        a chain whose proposal j was rejected is never looked at again, and step j + 1 at t reads only
+        step j's state at t, so the later steps shrink to the chains still alive.
+        Step 0 runs every position through the projections (every chain attends to step-0 keys at
+        s <= t) with one causal SDPA; its output and each later step run at the chosen positions only,
+        a later step's queries attending to the step-0 keys s <= t plus the chain's own keys at t.
         """
-        from eagle3.attention import doc_ids_from_position_ids, ttt_attention
-
-        B, L = input_ids.shape
-        doc = doc_ids_from_position_ids(position_ids) if doc is None else doc
-        b, t = at.nonzero(as_tuple=True)  # [n] each
-
-        def grid(x: torch.Tensor) -> torch.Tensor:  # [1, heads, n, D] at (b, t) -> [B, heads, L, D], zeros elsewhere
-            g = x.new_zeros(B, x.shape[1], L, x.shape[3])
-            g[b, :, t] = x[0].transpose(0, 1)
-            return g
-
-        def pick(attn: torch.Tensor) -> torch.Tensor:  # [B, Hq, L, D] -> [1, Hq, n, D]
-            return attn[b, :, t].transpose(0, 1)[None]
-
-        e = self.embed_tokens(F.pad(input_ids[:, 1:], (0, 1), value=0))  # [B, L, H]: token t + 1
-        cos, sin = self.rope(e, position_ids)
-        q, k0, v0, residual = self.midlayer.project(e, self.combine(aux), cos, sin)
-        attn = ttt_attention(q, k0, v0, doc=doc, block=block)
-        normed, h = self.head(self.midlayer.finish(pick(attn), residual[b, t][None]))  # [1, n, H]
-        states, kd, vd = [normed[0]], [], []
+        L = input_ids.shape[1]
+        dev = input_ids.device
+        e = self.embed_tokens(F.pad(input_ids[:, 1:], (0, 1), value=0))  # [1, L, H]: token t + 1
+        pos = torch.arange(L, device=dev)[None]
+        cos, sin = self.rope(e, pos)
+        q, k0, v0, residual = self.midlayer.project(e, self.combine(aux), cos, sin)  # q [1, Hq, L, D]
+        attn = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=True)
+        t = at.nonzero()[:, 0]  # [n]
+        normed, h = self.head(self.midlayer.finish(attn[:, :, t], residual[:, t]))  # [1, n, H]
+        out = [(t, normed[0])]
+        kd: list[torch.Tensor] = []  # keys / values of steps 1..j at the alive positions, [1, Hkv, n, D] each
+        vd: list[torch.Tensor] = []
+        ids = F.pad(input_ids[0], (0, steps + 1), value=0)  # [L + steps + 1]: zeros past the end, as ttt_states
         for j in range(1, steps):
-            e = self.embed_tokens(F.pad(input_ids[:, j + 1 :], (0, j + 1), value=0)[b, t])[None]  # [1, n, H]
-            cos, sin = self.rope(e, (position_ids[b, t] + j)[None])
+            alive = keep(j - 1, t, normed[0]) if keep is not None else torch.ones_like(t, dtype=torch.bool)
+            t, h = t[alive], h[:, alive]
+            kd, vd = [x[:, :, alive] for x in kd], [x[:, :, alive] for x in vd]
+            if not len(t):
+                break
+            e = self.embed_tokens(ids[t + j + 1])[None]  # [1, n, H]: the token step j reads
+            cos, sin = self.rope(e, (t + j)[None])
             qj, kj, vj, residual = self.midlayer.project(e, h, cos, sin)
-            kd.append(grid(kj))
-            vd.append(grid(vj))
-            attn = ttt_attention(grid(qj), k0, v0, kd, vd, doc, block=block)
-            normed, h = self.head(self.midlayer.finish(pick(attn), residual))
-            states.append(normed[0])
-        return states
+            kd.append(kj)
+            vd.append(vj)
+            n = len(t)
+            # keys: step-0 keys of every position, then steps 1..j at the n chains; chain i sees s <= t_i and its own
+            causal = torch.arange(L, device=dev)[None, :] <= t[:, None]  # [n, L]
+            own = torch.eye(n, dtype=torch.bool, device=dev).repeat(1, j)  # [n, j * n]
+            mask = torch.cat([causal, own], 1)
+            attn = F.scaled_dot_product_attention(qj, torch.cat([k0, *kd], 2), torch.cat([v0, *vd], 2),
+                                                  attn_mask=mask, enable_gqa=True)  # [1, Hq, n, D]
+            normed, h = self.head(self.midlayer.finish(attn, residual))
+            out.append((t, normed[0]))
+        if keep is not None and len(t):
+            keep(len(out) - 1, t, normed[0])  # the last step's proposals are read too
+        return out
 
 
 def _rotary(c: DraftConfig) -> nn.Module:

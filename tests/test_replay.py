@@ -59,7 +59,7 @@ def test_replay_equals_live_round_by_round(setup):
     turns, d, _ = continuations(t, model, convs, MAX_NEW, tail=8, cache=cache, batch_size=4)
     assert [(x.conv, x.turn) for x in turns] == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1)]
     aux, _ = aux_states(model.get_decoder(), turns, AUX, d)
-    props = proposals(draft, turns, aux, K, MAX_NEW, pack=300)  # packs several turns into one row
+    props = proposals(draft, turns, aux, K, MAX_NEW)
     live_target, proposer = TargetLM(model, AUX), DraftProposer(draft)
     total = disagree = accepted = 0
     for turn, p in zip(turns, props):
@@ -81,16 +81,25 @@ def test_chains_at_the_rounds_equal_the_full_ttt_pass(setup):
     t, model, draft, convs, cache = setup
     turns, d, _ = continuations(t, model, convs, MAX_NEW, tail=8, cache=cache, batch_size=4)
     aux, _ = aux_states(model.get_decoder(), turns, AUX, d)
-    ids = torch.tensor([x for tr in turns for x in tr.ids])[None]  # [1, L]: every turn packed in one row
-    pos = torch.cat([torch.arange(len(tr.ids)) for tr in turns])[None]
-    a = torch.cat(aux).float()[None]
-    at = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) < 0.3
-    with torch.no_grad():
-        full = draft.ttt_states(ids, a, pos, K)
-    got = draft.ttt_states_at(ids, a, pos, K, at)
-    assert len(got) == K and got[0].shape == (int(at.sum()), full[0].shape[-1])
-    for f, g in zip(full, got):
-        torch.testing.assert_close(g, f[at], rtol=1e-5, atol=1e-5)
+    for n, (tr, a) in enumerate(zip(turns, aux)):
+        ids = torch.tensor(tr.ids)[None]  # [1, L]
+        a = a.float()[None]
+        with torch.no_grad():
+            full = draft.ttt_states(ids, a, torch.arange(ids.shape[1])[None], K)
+        at = torch.rand(ids.shape[1], generator=torch.Generator().manual_seed(n)) < 0.3
+        got = draft.ttt_states_at(ids, a, K, at)  # every chain carried through every step
+        assert len(got) == K
+        for f, (pos, g) in zip(full, got):
+            assert torch.equal(pos, at.nonzero()[:, 0])
+            torch.testing.assert_close(g, f[0, pos], rtol=1e-5, atol=1e-5)
+        # keep: a chain stops where it is told; the later steps run at the survivors only
+        drop = lambda j, pos, st: pos % 2 == 0  # noqa: E731
+        got = draft.ttt_states_at(ids, a, K, at, drop)
+        for j, (f, (pos, g)) in enumerate(zip(full, got)):
+            want = at.nonzero()[:, 0]
+            want = want[want % 2 == 0] if j else want
+            assert torch.equal(pos, want)
+            torch.testing.assert_close(g, f[0, pos], rtol=1e-5, atol=1e-5)
 
 
 def test_replay_report_matches_live_measure_and_caches(setup):

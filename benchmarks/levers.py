@@ -1,0 +1,170 @@
+"""Draft-quality levers, each scored by replay tau on all of MT-Bench (80 questions, both turns).
+
+Every lever is one training run against the same baseline (the demo preset's training settings) and
+one replay evaluation of its exported head (`eagle3 eval --mode replay`, k=3 and, for the TTT
+levers, k=5; 256 new tokens; the MT-Bench continuation cache is built once, content-keyed). Levers
+that do not change the data reuse one extraction (`--extract`, `--verifier`, `--prepare`); the
+draft-vocab levers re-run only `prepare` (a new vocab map) and `verifier`; the on-policy lever
+trains on the extract dir given by `--regen-extract` (benchmarks/onpolicy.py builds it).
+
+Runs go one at a time, each in its own process with `--threads` torch threads; every run's train and
+eval output stays under `--root/<lever>/`, and a finished run is not redone (delete its dir to rerun).
+Compute is reported as the CPU seconds of the training process (on a shared machine its wall time also
+measures the neighbours) next to the wall time. Results: `--root/results.jsonl` (one line per run) and a
+markdown table on stdout. Last line: one JSON object.
+
+    .venv/bin/python benchmarks/levers.py --prepare runs/base/prepare --extract runs/base/extract \\
+        --verifier runs/base/verifier --root runs/levers --threads 1 [--only baseline,lk] [--list]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# The demo preset's training settings at one epoch: the baseline every lever changes one thing of.
+BASE = {"ttt_steps": 3, "step_decay": 0.8, "epochs": 1, "pack_tokens": 2048, "lr": 1e-3, "warmup_steps": 10,
+        "val_every": 50, "ckpt_every": 50, "loss": "kl", "norm_before_fc": False}
+
+# name -> (train overrides, extra: {"vocab": N} | {"data": "onpolicy"} | {}, eval k list)
+LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
+    "baseline": ({}, {}, [3, 5]),
+    "ttt5": ({"ttt_steps": 5}, {}, [3, 5]),
+    "ttt7": ({"ttt_steps": 7}, {}, [3, 5]),
+    "decay1": ({"step_decay": 1.0}, {}, [3, 5]),
+    "ttt5-decay1": ({"ttt_steps": 5, "step_decay": 1.0}, {}, [3, 5]),
+    "lk": ({"loss": "lk"}, {}, [3]),
+    "norm_before_fc": ({"norm_before_fc": True}, {}, [3]),
+    "lr3e-3": ({"lr": 3e-3}, {}, [3]),
+    "lr3e-4": ({"lr": 3e-4}, {}, [3]),
+    "pack1024": ({"pack_tokens": 1024}, {}, [3]),
+    "pack4096": ({"pack_tokens": 4096}, {}, [3]),
+    "epochs3": ({"epochs": 3}, {}, [3]),
+    "vocab16k": ({}, {"vocab": 16384}, [3]),
+    "vocab32k": ({}, {"vocab": 32000}, [3]),
+    "onpolicy": ({}, {"data": "onpolicy"}, [3]),
+}
+
+
+def child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run(cmd: list[str], log: Path, threads: int) -> tuple[float, float]:
+    """Run cmd (output to log); returns (wall seconds, CPU seconds of the process tree)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    c0, w0 = child_cpu(), time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    if rc:
+        raise RuntimeError(f"exit {rc}: {' '.join(cmd)} (see {log})")
+    return time.perf_counter() - w0, child_cpu() - c0
+
+
+def eagle3(*args: str) -> list[str]:
+    return [sys.executable, "-m", "eagle3.cli", *args]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--model", default=str(REPO / "assets" / "smollm2"))
+    ap.add_argument("--prepare", required=True)
+    ap.add_argument("--extract", required=True)
+    ap.add_argument("--verifier", required=True)
+    ap.add_argument("--regen-extract", default=None, help="extract dir of regenerated data (on-policy lever)")
+    ap.add_argument("--regen-verifier", default=None)
+    ap.add_argument("--regen-prepare", default=None)
+    ap.add_argument("--root", default="runs/levers")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default=None, help="comma-separated lever names (default: all, in order)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--limit", type=int, default=None, help="MT-Bench questions (default all 80)")
+    ap.add_argument("--base", default=None, help="JSON of baseline training overrides (e.g. a shorter run)")
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args()
+    base = {**BASE, **(json.loads(a.base) if a.base else {})}
+    names = a.only.split(",") if a.only else list(LEVERS)
+    if a.list:
+        for n in names:
+            print(n, json.dumps({**base, **LEVERS[n][0]}), LEVERS[n][1])
+        return
+    root = Path(a.root)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in names:
+        over, extra, ks = LEVERS[name]
+        d = root / name
+        d.mkdir(exist_ok=True)
+        log = d / "log.txt"
+        prepare, extract, verifier = Path(a.prepare), Path(a.extract), Path(a.verifier)
+        if "vocab" in extra:  # a new vocab map over the same samples; the hidden states do not change
+            n = extra["vocab"]
+            prepare, verifier = d / "prepare", d / "verifier"
+            src = json.loads((Path(a.prepare) / "manifest.json").read_text())["config"]
+            if not (verifier / "manifest.json").is_file():
+                run(eagle3("prepare", "--model", a.model, "--data", src["data"], "--limit", str(src["limit"]),
+                           "--max-len", str(src["max_len"]), "--val-fraction", str(src["val_fraction"]),
+                           "--seed", str(src["seed"]), "--draft-vocab", str(n), "--out", str(prepare)), log, a.threads)
+                run(eagle3("verifier", "--model", a.model, "--prepared", str(prepare), "--out", str(verifier)),
+                    log, a.threads)
+        if extra.get("data") == "onpolicy":
+            if not a.regen_extract:
+                print(f"{name}: skipped (no --regen-extract)", flush=True)
+                continue
+            prepare, extract, verifier = Path(a.regen_prepare), Path(a.regen_extract), Path(a.regen_verifier)
+        cfg = {**base, **over, "threads": a.threads}
+        (d / "train_config.json").write_text(json.dumps(cfg, indent=1))
+        timing = d / "timing.json"
+        if not timing.is_file():
+            replay = subprocess.check_output(
+                eagle3("replay-set", "--model", a.model, "--prompts", str(prepare), "--limit", "32",
+                       "--max-new-tokens", "128", "--threads", str(a.threads)), cwd=REPO, text=True,
+                stderr=subprocess.DEVNULL).strip().splitlines()[-1]
+            wall, cpu = run([sys.executable, "-m", "eagle3.train", "--hidden", str(extract), "--verifier",
+                             str(verifier), "--out", str(d / "train"), "--config", str(d / "train_config.json"),
+                             "--replay", replay], log, a.threads)
+            timing.write_text(json.dumps({"train_wall_s": round(wall, 1), "train_cpu_s": round(cpu, 1)}))
+        t = json.loads(timing.read_text())
+        man = json.loads((d / "train" / "manifest.json").read_text())
+        row = {"lever": name, "train": {k: v for k, v in cfg.items() if k in over or k in ("epochs",)},
+               "steps": man["steps"], "best_step": man["best_step"], "best_metric": man.get("best_metric"),
+               "val_sim_tau": round(man["best_sim_tau"], 4), "val_replay_tau": man.get("best_replay_tau"), **t}
+        for k in ks:
+            out = d / f"eval-k{k}"
+            if not (out / "report.json").is_file():
+                args = ["eval", "--model", a.model, "--draft", str(d / "train" / "final"), "--prompts", "mt-bench",
+                        "--k", str(k), "--max-new-tokens", str(a.max_new_tokens), "--mode", "replay",
+                        "--threads", str(a.threads), "--out", str(out)]
+                if a.limit:
+                    args += ["--limit", str(a.limit)]
+                run(eagle3(*args), log, a.threads)
+            r = json.loads((out / "report.json").read_text())
+            row[f"tau_k{k}"] = round(r["acceptance_length"], 4)
+            row[f"ci_k{k}"] = [round(x, 4) for x in r["acceptance_length_ci"]]
+            row[f"per_position_k{k}"] = [round(x, 4) for x in r["per_position_acceptance"]]
+        rows.append(row)
+        with open(root / "results.jsonl", "a") as f:
+            f.write(json.dumps({**row, "at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        print(json.dumps(row), flush=True)
+    print("\n| lever | setting | steps | train CPU s (wall s) | MT-Bench-80 replay tau k=3 [95% CI] | k=5 | val replay tau |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        k5 = f"{r['tau_k5']:.3f} [{r['ci_k5'][0]:.3f}, {r['ci_k5'][1]:.3f}]" if "tau_k5" in r else ""
+        print(f"| {r['lever']} | {json.dumps(r['train'])} | {r['steps']} | {r['train_cpu_s']:.0f} ({r['train_wall_s']:.0f}) "
+              f"| {r['tau_k3']:.3f} [{r['ci_k3'][0]:.3f}, {r['ci_k3'][1]:.3f}] | {k5} | {r['val_replay_tau']} |")
+    print(json.dumps({"root": str(root), "runs": rows}))
+
+
+if __name__ == "__main__":
+    main()
