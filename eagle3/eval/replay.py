@@ -66,13 +66,25 @@ def continuations(target, model: torch.nn.Module, convs: Sequence, max_new: int,
                   cache: Path | None = None, progress: Progress | None = None) -> tuple[list[Turn], Path, float]:
     """The target's greedy answer to every turn of every conversation (cached). Returns the turns, the
     cache dir and the seconds spent generating (0 when cached)."""
+    p = next(model.parameters())
+    d = cache_dir(target, convs, max_new, tail, p.device.type, p.dtype, cache)
+    with build_lock(d):  # a second builder of the same cache waits, then reads it
+        return _continuations(target, model, convs, max_new, tail, batch_size, d, progress)
+
+
+def build_lock(d: Path):
+    """Held while `d` (a cache dir) is built or extended: one builder per cache at a time, on this host."""
+    from eagle3.lock import RunLock
+
+    return RunLock(d.parent / f".{d.name}.lock", wait_s=7 * 24 * 3600)
+
+
+def _continuations(target, model, convs, max_new, tail, batch_size, d, progress) -> tuple[list[Turn], Path, float]:
     from eagle3.config import RegenConfig
     from eagle3.eval.decode import finish_answer
     from eagle3.generate import HFGenerator
     from eagle3.target import prompt_ids
 
-    p = next(model.parameters())
-    d = cache_dir(target, convs, max_new, tail, p.device.type, p.dtype, cache)
     if (d / TURNS).is_file():
         with open(d / TURNS, encoding="utf-8") as f:
             return [Turn(**json.loads(line)) for line in f], d, 0.0
@@ -117,14 +129,21 @@ def continuations(target, model: torch.nn.Module, convs: Sequence, max_new: int,
 def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[int], d: Path,
                batch_tokens: int = 8192) -> tuple[list[torch.Tensor], float]:
     """aux [T, 3, H] (bf16) of every turn's sequence, from one target forward each (cached in `d` per aux ids)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    path = aux_path(d, aux_ids)
+    with build_lock(d):
+        if path.is_file():
+            t = load_file(str(path))
+            return [t[str(i)] for i in range(len(turns))], 0.0
+        return _aux_states(base, turns, aux_ids, path, batch_tokens)
+
+
+def _aux_states(base, turns, aux_ids, path, batch_tokens) -> tuple[list[torch.Tensor], float]:
+    from safetensors.torch import save_file
 
     from eagle3.capture import hidden_states
 
-    path = aux_path(d, aux_ids)
-    if path.is_file():
-        t = load_file(str(path))
-        return [t[str(i)] for i in range(len(turns))], 0.0
     t0 = time.perf_counter()
     out: dict[str, torch.Tensor] = {}
     for i, h in hidden_states(base, [torch.tensor(t.ids) for t in turns], aux_ids, batch_tokens):
