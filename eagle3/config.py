@@ -301,7 +301,10 @@ class RegenConfig(_Cfg):
     limit: int | None = Field(None, ge=1, description="regenerate only the first N records of the source; empty: all")
     same_role: Literal["merge", "drop"] = Field("merge", description="as in prepare: consecutive same-role turns")
     chunk_records: int = Field(64, ge=1, description="records per committed chunk (the resume unit)")
-    batch_size: int = Field(8, ge=1, description="hf: sequences decoded together")
+    batch_size: int = Field(
+        32, ge=1, description="hf: sequences decoded together (the KV cache grows in place, so 32-64 scale on a CPU: "
+        "benchmarks/regenerate.py)",
+    )
     batch_tokens: int = Field(
         32768, ge=64, description="hf: padded prompt tokens of one batch at most (long prompts get smaller batches)"
     )
