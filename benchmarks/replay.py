@@ -15,7 +15,7 @@ the neighbours):
 Without `--draft` only the caches are built (aux ids: `--aux-layers` or the target's default).
 
     .venv/bin/python benchmarks/replay.py --draft runs/demo/train/final [--prompts mt-bench] [--k 3]
-        [--max-new-tokens 256] [--batch-size 64] [--threads 2] [--replay-threads 1,2] [--live 3]
+        [--max-new-tokens 256] [--batch-size 128] [--threads 2] [--replay-threads 1,2] [--live 3]
 
 Last line: one JSON object with every figure.
 """
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=64, help="rows decoded together while building the cache")
+    ap.add_argument("--batch-size", type=int, default=128, help="rows decoded together while building the cache")
     ap.add_argument("--aux-layers", default=None, help="aux ids for the cache without --draft (default: the target's)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads while building the caches")
     ap.add_argument("--replay-threads", default="2", help="thread counts to time the replay at, e.g. 1,2")
