@@ -38,7 +38,7 @@ RANK = r"""
 import json, os, random, sys, time
 from pathlib import Path
 import eagle3.atomic as atomic
-import eagle3.extract.store as store
+import eagle3.store as store
 hashed = [0]
 real = atomic.sha256_file
 def counting(p):
@@ -70,7 +70,7 @@ def build_store(root: Path, gib: float) -> Path:
     from eagle3.assets import materialize_smollm2
     from eagle3.config import PrepareConfig
     from eagle3.data.prepare import prepare
-    from eagle3.extract.store import bytes_per_token
+    from eagle3.store import bytes_per_token
 
     tok = AutoTokenizer.from_pretrained(materialize_smollm2(REPO / "assets" / "smollm2"))
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keep", default=None, help="build (or reuse) the store here instead of a temp dir")
     a = ap.parse_args()
-    from eagle3.artifacts import HiddenStates
+    from eagle3.manifests import HiddenStates
 
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="eagle3-verify-bench-"))
     hid = root / "hid"
