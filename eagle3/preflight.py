@@ -40,6 +40,15 @@ GPU_TRAIN_FLOPS = 150e12
 # tok/s counting both passes, for SmolLM2-135M; regenerate (hf, batch 8) ~22 tok/s.
 PREPARE_CONV_PER_S = 490
 EVAL_CPU_TOK_PER_S = 15
+# Replay mode (hf, SmolLM2, one thread, measured in CPU seconds so a busy machine does not inflate
+# them): the target's greedy answers to all of MT-Bench at 256 new tokens, batched (batch 64): 35,691
+# decoded tokens in 760 CPU s = ~47 tok/s; their aux states, one forward over prompts + answers:
+# 71,797 tokens in 288 CPU s = ~250 tok/s (prompt and answer tokens are about equal there).
+REPLAY_CPU_DECODE_TOK_PER_S = 47
+REPLAY_CPU_FORWARD_TOK_PER_S = 250
+# The trainer's replay set is small (the val split: 10 answers x 128 tokens in the demo), so its decoding is
+# step-bound, not batch-bound: 1,280 tokens in 167 s = ~7.7 tok/s.
+REPLAY_SET_CPU_TOK_PER_S = 7.7
 REGEN_CPU_TOK_PER_S = 22
 SMOLLM2_PARAMS = 135e6
 # vLLM (planning assumptions): an engine starts in ~2 min; batched decoding ~2,000 tok/s per engine.
@@ -251,8 +260,15 @@ def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, 
     turns, new = eval_turns(cfg), cfg.eval.max_new_tokens
     if cfg.eval.backend == "vllm":  # two engines (target alone, speculative), each starts and decodes
         ev_s = 2 * VLLM_START_S + 2 * turns * new / VLLM_DECODE_TOK_PER_S
+    elif cfg.eval.mode == "replay":  # cached greedy answers (batched), one forward for the aux states, a live check
+        ev_s = replay_seconds(turns, new) * size
+        ev_s += 2 * min(cfg.eval.live_check, turns // 2 or 1) * (cfg.eval.live_max_new_tokens or new) * 2 \
+            / EVAL_CPU_TOK_PER_S * size if cfg.eval.live_check else 0
     else:  # speculative and plain greedy decoding of every turn, one sequence at a time
         ev_s = turns * new * 2 / EVAL_CPU_TOK_PER_S * size
+    if cfg.extract.backend != "vllm" and cfg.train.replay_prompts:  # the replay set, built before training
+        val = max(cfg.prepare.min_val, int(expected_conversations(cfg) * SHAREGPT_KEPT * cfg.prepare.val_fraction))
+        tr_s += min(cfg.train.replay_prompts, val) * cfg.train.replay_max_new_tokens / REPLAY_SET_CPU_TOK_PER_S * size
     done = {"prepare": PreparedData, "extract": HiddenStates, "verifier": VerifierWeights, "train": TrainedDraft,
             "eval": EvalReport}
     est = {"prepare": 5 + expected_conversations(cfg) / PREPARE_CONV_PER_S, "extract": ex_s,
@@ -265,6 +281,13 @@ def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, 
         rate = VLLM_DECODE_TOK_PER_S if r.backend == "vllm" else REGEN_CPU_TOK_PER_S / size
         out = {"regenerate": n * 3 * r.max_new_tokens / rate, **out}
     return out
+
+
+def replay_seconds(turns: int, new: int) -> float:
+    """Replay's cache for a SmolLM2-sized target at the one-thread rates (an upper bound with more threads):
+    `turns` greedy answers of up to `new` tokens (batched decoding), then one forward over prompts + answers
+    (~2 x the answer tokens)."""
+    return turns * new / REPLAY_CPU_DECODE_TOK_PER_S + 2 * turns * new / REPLAY_CPU_FORWARD_TOK_PER_S
 
 
 def check(cfg: PipelineConfig, **kw) -> Plan:
