@@ -72,6 +72,34 @@ def run(cmd: list[str], log: Path, threads: int) -> tuple[float, float]:
     return time.perf_counter() - w0, child_cpu() - c0
 
 
+def paired_delta(base: Path, other: Path, draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """tau(other) - tau(base) with a 95% bootstrap CI over prompts, both heads resampled with the same prompts.
+
+    Both evals replay the same cached answers, so a prompt that is easy for one head is easy for the other:
+    the paired CI is much tighter than comparing the two unpaired CIs. tau = 1 + accepted / rounds, summed
+    over the drawn prompts (each prompt's `rounds` in samples.jsonl: the accepted count of every round)."""
+    import numpy as np
+
+    def per_prompt(d: Path) -> dict[str, tuple[int, int]]:
+        out = {}
+        for line in (d / "samples.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            rounds = [a for t in r["turns"] for a in t["rounds"]]
+            out[r["id"]] = (sum(rounds), len(rounds))
+        return out
+
+    a, b = per_prompt(base), per_prompt(other)
+    ids = sorted(a.keys() & b.keys())
+    acc = np.array([[a[i][0], b[i][0]] for i in ids], dtype=np.float64)  # [prompts, 2]
+    rnd = np.array([[a[i][1], b[i][1]] for i in ids], dtype=np.float64)
+    tau = lambda ix: (acc[ix].sum(0) / rnd[ix].sum(0))  # noqa: E731 -- [2]: accepted per round, base and other
+    point = float(np.diff(tau(np.arange(len(ids))))[0])
+    rng = np.random.default_rng(seed)
+    d = np.array([np.diff(tau(rng.integers(0, len(ids), len(ids))))[0] for _ in range(draws)])
+    lo, hi = np.quantile(d, [0.025, 0.975])
+    return point, float(lo), float(hi)
+
+
 def eagle3(*args: str) -> list[str]:
     return [sys.executable, "-m", "eagle3.cli", *args]
 
@@ -153,16 +181,21 @@ def main() -> None:
             row[f"tau_k{k}"] = round(r["acceptance_length"], 4)
             row[f"ci_k{k}"] = [round(x, 4) for x in r["acceptance_length_ci"]]
             row[f"per_position_k{k}"] = [round(x, 4) for x in r["per_position_acceptance"]]
+        base_eval = root / "baseline" / "eval-k3"
+        if name != "baseline" and (base_eval / "samples.jsonl").is_file():
+            row["delta_k3"] = [round(x, 4) for x in paired_delta(base_eval, d / "eval-k3")]
         rows.append(row)
         with open(root / "results.jsonl", "a") as f:
             f.write(json.dumps({**row, "at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
         print(json.dumps(row), flush=True)
-    print("\n| lever | setting | steps | train CPU s (wall s) | MT-Bench-80 replay tau k=3 [95% CI] | k=5 | val replay tau |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| lever | setting | steps | train CPU s (wall s) | MT-Bench-80 replay tau k=3 [95% CI] | vs baseline "
+          "[paired 95% CI] | k=5 | val replay tau |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         k5 = f"{r['tau_k5']:.3f} [{r['ci_k5'][0]:.3f}, {r['ci_k5'][1]:.3f}]" if "tau_k5" in r else ""
+        dl = "{:+.3f} [{:+.3f}, {:+.3f}]".format(*r["delta_k3"]) if "delta_k3" in r else ""
         print(f"| {r['lever']} | {json.dumps(r['train'])} | {r['steps']} | {r['train_cpu_s']:.0f} ({r['train_wall_s']:.0f}) "
-              f"| {r['tau_k3']:.3f} [{r['ci_k3'][0]:.3f}, {r['ci_k3'][1]:.3f}] | {k5} | {r['val_replay_tau']} |")
+              f"| {r['tau_k3']:.3f} [{r['ci_k3'][0]:.3f}, {r['ci_k3'][1]:.3f}] | {dl} | {k5} | {r['val_replay_tau']:.3f} |")
     print(json.dumps({"root": str(root), "runs": rows}))
 
 
