@@ -45,6 +45,7 @@ LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "norm_before_fc": ({"norm_before_fc": True}, {}, [3]),
     "lr3e-3": ({"lr": 3e-3}, {}, [3]),
     "lr3e-4": ({"lr": 3e-4}, {}, [3]),
+    "lr1e-2": ({"lr": 1e-2}, {}, [3]),
     "pack1024": ({"pack_tokens": 1024}, {}, [3]),
     "pack4096": ({"pack_tokens": 4096}, {}, [3]),
     "epochs3": ({"epochs": 3}, {}, [3]),
