@@ -216,3 +216,23 @@ def checksums(run_dir: str | Path) -> dict[str, object]:
         "train": [tr.weights_sha256, tr.best_step, tr.best_sim_tau],
         "eval": [ev.acceptance_length, ev.per_position_acceptance, ev.lossless, ev.num_drafts],
     }
+
+
+# ---------------------------------------------------------------- tiny inputs
+def chat(i: int) -> dict:
+    """One ShareGPT conversation: question i and its answer."""
+    return {"conversations": [{"from": "human", "value": f"question {i}: what is {i} plus {i}?"},
+                              {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. " * 3}]}
+
+
+def tiny_inputs(root: Path) -> tuple[Path, Path]:
+    """12 one-turn conversations (root/conversations/day1.jsonl) and one eval prompt (root/prompts.jsonl)."""
+    import json
+
+    data = root / "conversations"
+    data.mkdir()
+    (data / "day1.jsonl").write_text("\n".join(json.dumps(chat(i)) for i in range(12)))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 plus 2?"}) + "\n")
+    return data, prompts
+

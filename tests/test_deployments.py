@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 import prefect_service as ps
 import pytest
-from prefect_service import BIN, STAGES, checksums, events, gpu_intervals, logs, overlaps, submit, trigger, wait
+from prefect_service import (BIN, STAGES, chat, checksums, events, gpu_intervals, logs, overlaps, submit, tiny_inputs,
+                             trigger, wait)
 
 from eagle3.atomic import sha256_file
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
@@ -108,19 +109,10 @@ def gpu_slot_events(client, phase: str, expect: int, timeout: float = 30) -> dic
         time.sleep(1)
 
 
-def _chat(i: int) -> dict:
-    return {"conversations": [{"from": "human", "value": f"question {i}: what is {i} plus {i}?"},
-                              {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. " * 3}]}
-
-
 @pytest.fixture
 def tiny(tmp_path, tiny_llama_dir):
     """tests/test_flow.py's tiny config, with 64 KiB hidden-state shards (one or two samples each)."""
-    data = tmp_path / "conversations"
-    data.mkdir()
-    (data / "day1.jsonl").write_text("\n".join(json.dumps(_chat(i)) for i in range(12)))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "What is 2 plus 2?"}) + "\n")
+    data, prompts = tiny_inputs(tmp_path)
     cfg = PipelineConfig(
         model=str(tiny_llama_dir), run_dir=str(tmp_path / "run"),
         prepare=PrepareConfig(data=str(data), draft_vocab=256, val_fraction=0.2),
@@ -205,7 +197,7 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     t_b = time.time() - t0 - t_a
 
     # C: nightly, seeded with run A, one new conversation: only the new sample is extracted.
-    (data / "day2.jsonl").write_text(json.dumps(_chat(100)) + "\n")
+    (data / "day2.jsonl").write_text(json.dumps(chat(100)) + "\n")
     root = Path(cfg.run_dir).parent / "nightly"
     night_params = {"config": {"conversations": str(data), "root": str(root), "margin": 0.25,
                                "seed_run": cfg.run_dir, "base": cfg.model_dump(mode="json")}}

@@ -18,7 +18,6 @@ download). `make test` installs it in CI (CI=true); elsewhere this test skips, s
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -30,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefect_service import BIN, REPO, free_port, start, stop
+from prefect_service import BIN, REPO, free_port, start, stop, tiny_inputs
 
 pytestmark = pytest.mark.browser
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -167,22 +166,13 @@ def run_log(c, run_id, until: str | None = None, timeout: float = 30) -> str:
         time.sleep(1)
 
 
-def _chat(i: int) -> dict:
-    return {"conversations": [{"from": "human", "value": f"question {i}: what is {i} plus {i}?"},
-                              {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. " * 3}]}
-
-
 def test_custom_run_from_the_ui_retries_artifacts_and_paused_nightly(ui, page, tmp_path, tiny_llama_dir):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     pg, url = page, ui["url"]
     with recorded(pg, tmp_path):
-        data = tmp_path / "conversations"
-        data.mkdir()
-        (data / "day1.jsonl").write_text("\n".join(json.dumps(_chat(i)) for i in range(12)))
-        prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text(json.dumps({"prompt": "What is 2 plus 2?"}) + "\n")
+        data, prompts = tiny_inputs(tmp_path)
 
         # The root URL opens V2, connected to this port's API.
         from playwright.sync_api import expect
