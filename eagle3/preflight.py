@@ -134,6 +134,11 @@ def expected_conversations(cfg: PipelineConfig) -> int:
     return min(n, p.limit) if p.limit else n
 
 
+def val_samples(cfg: PipelineConfig) -> int:
+    """Samples prepare will put in the validation split."""
+    return max(cfg.prepare.min_val, int(expected_conversations(cfg) * SHAREGPT_KEPT * cfg.prepare.val_fraction))
+
+
 def eval_turns(cfg: PipelineConfig) -> int:
     """Turns eval generates: MT-Bench's two per question, a JSONL file's lines, or the val split's samples."""
     e = cfg.eval
@@ -144,7 +149,7 @@ def eval_turns(cfg: PipelineConfig) -> int:
         with open(src, "rb") as f:
             n = sum(1 for line in f if line.strip())
     else:  # a prepared dir: its validation split
-        n = max(cfg.prepare.min_val, int(expected_conversations(cfg) * SHAREGPT_KEPT * cfg.prepare.val_fraction))
+        n = val_samples(cfg)
     return min(n, e.limit) if e.limit else n
 
 
@@ -267,8 +272,8 @@ def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, 
     else:  # speculative and plain greedy decoding of every turn, one sequence at a time
         ev_s = turns * new * 2 / EVAL_CPU_TOK_PER_S * size
     if cfg.extract.backend != "vllm" and cfg.train.replay_prompts:  # the replay set, built before training
-        val = max(cfg.prepare.min_val, int(expected_conversations(cfg) * SHAREGPT_KEPT * cfg.prepare.val_fraction))
-        tr_s += min(cfg.train.replay_prompts, val) * cfg.train.replay_max_new_tokens / REPLAY_SET_CPU_TOK_PER_S * size
+        tr_s += min(cfg.train.replay_prompts, val_samples(cfg)) * cfg.train.replay_max_new_tokens \
+            / REPLAY_SET_CPU_TOK_PER_S * size
     done = {"prepare": PreparedData, "extract": HiddenStates, "verifier": VerifierWeights, "train": TrainedDraft,
             "eval": EvalReport}
     est = {"prepare": 5 + expected_conversations(cfg) / PREPARE_CONV_PER_S, "extract": ex_s,
