@@ -141,8 +141,11 @@ def partial_files(out: Path) -> list[tuple[str, int]]:
 def random_kill_drill(stage: str, x: Inputs, out: Path, rng) -> Drill:
     """SIGKILL the real process from outside at a random moment *inside* its work: once a random number
     of shards (extract) or optimizer steps (train) of the uninterrupted run is done, after a further
-    random 0-0.3 s. `killed` counts only kills that landed there: the process was still running and
-    had not written its manifest."""
+    random fraction of the pace observed so far (seconds per shard or step). A fixed delay would miss
+    on a fast machine: the tiny drill extraction writes its last shards and the manifest within
+    milliseconds. The process is frozen (SIGSTOP) before it is judged, so nothing changes between the
+    check and the kill. `killed` counts only kills that landed there: the process was still running
+    and had not written its manifest."""
     if stage == "extract":
         total = len(json.loads((x.hid / "manifest.json").read_text())["shards"])
         target = rng.randint(1, total - 1)
@@ -158,19 +161,28 @@ def random_kill_drill(stage: str, x: Inputs, out: Path, rng) -> Drill:
             m = out / "metrics.jsonl"
             return max((json.loads(ln)["step"] for ln in m.read_text().splitlines() if '"train"' in ln), default=0) \
                 if m.is_file() else 0
-    delay = rng.uniform(0.0, 0.3)
-    d = Drill(stage, f"external SIGKILL after {target} {'shards' if stage == 'extract' else 'steps'} + {delay:.2f}s")
+    frac = rng.uniform(0.0, 1.0)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_KILL")}
     p = subprocess.Popen([sys.executable, "-m", "eagle3.cli", *cmd], cwd=CODE[0], env=clean,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while progress() < target and p.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
+    deadline, first, done = time.time() + 600, None, 0
+    while done < target and p.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+        done = progress()
+        if done and first is None:
+            first = (done, time.time())  # the first unit seen: the pace is measured from here
+    pace = (time.time() - first[1]) / (done - first[0]) if first and done > first[0] else 0.0
+    delay = frac * min(pace, 0.3)
     time.sleep(delay)
+    if p.poll() is None:
+        p.send_signal(signal.SIGSTOP)
     alive = p.poll() is None
+    manifest = (out / "manifest.json").exists()
     p.send_signal(signal.SIGKILL)
     p.wait()
-    d.killed = alive and p.returncode == -signal.SIGKILL and not (out / "manifest.json").exists()
+    d = Drill(stage, f"external SIGKILL after {target} {'shards' if stage == 'extract' else 'steps'} + {delay:.3f}s "
+                     f"({frac:.2f} of {pace:.3f}s each)")
+    d.killed = alive and p.returncode == -signal.SIGKILL and not manifest
     if not d.killed:
         d.detail = "finished before the kill" if not alive else "the manifest was already written"
         return d

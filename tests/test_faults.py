@@ -107,8 +107,9 @@ def test_corrupt_newest_checkpoint_resumes_from_the_one_before(inputs, tmp_path)
 
 
 def test_external_kill_lands_inside_extraction_then_rerun_equals_uninterrupted(inputs, tmp_path):
-    # A kill timed from outside can miss: on a fast machine the last shards and the manifest may be written
-    # within the random delay. Such a draw tested nothing, so the next one is tried (a fresh out dir).
+    # The drill's delay follows the observed pace (a shard of the tiny drill takes ~8 ms on an idle machine),
+    # so its kill lands inside extraction; should one still miss (the process finished first), that draw
+    # tested nothing and the next one is tried, in a fresh out dir.
     rng, missed = random.Random(3), []
     for i in range(5):
         d = random_kill_drill("extract", inputs, tmp_path / f"out-{i}", rng)
