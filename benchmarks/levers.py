@@ -42,6 +42,7 @@ LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "decay1": ({"step_decay": 1.0}, {}, [3, 5]),
     "ttt5-decay1": ({"ttt_steps": 5, "step_decay": 1.0}, {}, [3, 5]),
     "lk": ({"loss": "lk"}, {}, [3]),
+    "topk": ({"loss": "topk"}, {}, [3]),
     "norm_before_fc": ({"norm_before_fc": True}, {}, [3]),
     "lr3e-3": ({"lr": 3e-3}, {}, [3]),
     "lr3e-4": ({"lr": 3e-4}, {}, [3]),

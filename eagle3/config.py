@@ -151,12 +151,15 @@ class TrainConfig(_Cfg):
 
     ttt_steps: int = Field(7, ge=1, le=16, description="k: draft steps unrolled in training (EAGLE/SpecForge: 7)")
     step_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of step j is step_decay to the power j")
-    loss: Literal["kl", "lk"] = Field(
+    loss: Literal["kl", "lk", "topk"] = Field(
         "kl", description="per-step loss: 'kl' forward KL to the target's distribution; 'lk' the LK hybrid "
         "lambda KL + (1 - lambda) TV with lambda = exp(-lk_eta times the mean overlap), which aims at the acceptance "
-        "rate (arXiv 2602.23881)",
+        "rate (arXiv 2602.23881); 'topk' KL plus topk_weight times the draft's cross-entropy on the target's topk "
+        "most likely tokens (HASS's harmonized objective distillation, arXiv 2408.15766)",
     )
     lk_eta: float = Field(3.0, ge=0.0, description="LK hybrid: how fast the KL weight decays as the overlap grows")
+    topk: int = Field(10, ge=1, description="loss 'topk': how many of the target's most likely tokens the extra term covers")
+    topk_weight: float = Field(1.0, ge=0.0, description="loss 'topk': weight of the top-K cross-entropy next to the KL")
     epochs: int = Field(1, ge=1, description="passes over the train split")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (overrides epochs); empty: run every epoch")
     pack_tokens: int = Field(2048, ge=16, description="tokens per packed row (samples are concatenated, never padded)")

@@ -137,7 +137,7 @@ def test_draft_learns_a_fixed_target_end_to_end():
     assert out.accuracy[0] > first[1] + 0.2
 
 
-@pytest.mark.parametrize("loss", ["kl", "lk"])
+@pytest.mark.parametrize("loss", ["kl", "lk", "topk"])
 @pytest.mark.parametrize("chunk", [3, 512])
 def test_fused_loss_equals_autograd_reference(chunk, loss):
     # The trainer's loss (lm_head applied chunk by chunk, gradient formed in forward) against the
@@ -153,13 +153,13 @@ def test_fused_loss_equals_autograd_reference(chunk, loss):
     top = torch.randint(-1, Vd, (B, L))
     mask = (torch.rand(B, L) > 0.2).long()
     doc = torch.tensor([[0] * 5 + [1] * 6, [0] * 11])
-    ref = ttt_loss([s @ w.T for s in states], tl, top, mask, doc, loss=loss, eta=3.0)
+    ref = ttt_loss([s @ w.T for s in states], tl, top, mask, doc, loss=loss, eta=3.0, topk=3, topk_weight=0.7)
     ref.loss.backward()
     g_ref = [s.grad.clone() for s in states] + [w.grad.clone()]
     for s in states:
         s.grad = None
     w.grad = None
-    out = ttt_loss_fused(states, w, tl, top, mask, doc, chunk=chunk, loss=loss, eta=3.0)
+    out = ttt_loss_fused(states, w, tl, top, mask, doc, chunk=chunk, loss=loss, eta=3.0, topk=3, topk_weight=0.7)
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out.alpha_sum, ref.alpha_sum, atol=1e-5, rtol=1e-6)
@@ -187,3 +187,17 @@ def test_lk_loss_hand_computed():
     expected = (lam * 0.25 * LN2 + (1 - lam) * 0.25) / 2
     assert out.kl_count == [2] and out.alpha_sum == pytest.approx([1.75], abs=1e-6)
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_topk_loss_hand_computed():
+    # one scored row: p = (.5, .3, .2), q = (.25, .25, .5); top-2 of p = tokens 0, 1.
+    # KL = .5 ln 2 + .3 ln 1.2 + .2 ln .4; top-2 CE = -(.5 ln .25 + .3 ln .25) = .8 ln 4.
+    p = torch.tensor([[0.5, 0.3, 0.2]]).log()[None]  # [1, 1, 3]
+    q = torch.tensor([[0.25, 0.25, 0.5]]).log()[None]
+    tl = torch.cat([p, p, p], 1)  # step 0 at t = 0 scores the target row s = 1
+    ql = torch.cat([q, q, q], 1)
+    out = ttt_loss([ql], tl, torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0, 0, 1]]), loss="topk", topk=2,
+                   topk_weight=0.5)
+    kl = 0.5 * LN2 + 0.3 * math.log(1.2) + 0.2 * math.log(0.4)
+    assert out.kl_count == [1] and out.kl_sum == pytest.approx([kl], abs=1e-6)
+    assert out.loss.item() == pytest.approx(kl + 0.5 * 0.8 * math.log(4), abs=1e-6)

@@ -11,6 +11,11 @@ ModelOpt's `masked_lk_lambda_loss`, eta = 3): KL carries the cold start, where T
 *sampled* verification; greedy verification (what `eagle3 eval` measures) accepts on top-1
 agreement, so whether LK helps there is a measured question (benchmarks/levers.py).
 
+Top-K (`loss="topk"`, the "harmonized objective distillation" of HASS, arXiv 2408.15766): KL plus
+`topk_weight` times the cross-entropy of the draft on the target's K most likely tokens only,
+    - sum_{v in topK(p)} p_v log q_v,
+which adds weight where greedy verification decides (the head of p) and none on the long tail.
+
 Targets: p = softmax(lm_head_d(norm(final))) where `final` is the target's last layer output
 *before* its final norm, `norm` is the target's final RMSNorm and lm_head_d holds the target
 lm_head rows of the draft vocab (so p is renormalized over the draft vocab). Forgetting the norm
@@ -162,9 +167,12 @@ def ttt_loss(
     weights: Sequence[float] | None = None,
     loss: str = "kl",
     eta: float = 3.0,
+    topk: int = 10,
+    topk_weight: float = 1.0,
 ) -> TTTLossOutput:
     """Weighted sum over steps j of the mean forward KL(p_target || q_draft_j), from draft logits
-    (`loss="lk"`: the LK hybrid of the module docstring, with `eta`).
+    (`loss="lk"`: the LK hybrid of the module docstring, with `eta`; `loss="topk"`: KL plus
+    `topk_weight` x the top-`topk` cross-entropy).
 
     The plain autograd form, and the reference `ttt_loss_fused` is tested against.
     draft_logits: k tensors [B, L, Vd] (`Eagle3Draft.ttt_forward`); target_logits: [B, L, Vd]
@@ -189,10 +197,19 @@ def ttt_loss(
         if loss == "lk":
             lam = lk_lambda(alpha.detach(), eta)
             out.loss = out.loss + w * (lam * kl.sum() + (1 - lam) * (1 - alpha).sum()) / n
+        elif loss == "topk":
+            pk = _top_only(p, topk)  # [N, Vd] p on its top-K, 0 elsewhere
+            out.loss = out.loss + w * (kl.sum() - topk_weight * (pk * z.log_softmax(-1)).sum()) / n
         else:
             out.loss = out.loss + w * kl.sum() / n
         _record(out, kl.sum(), int(b_idx.numel()), hit, valid, alpha.sum())
     return out
+
+
+def _top_only(p: torch.Tensor, k: int) -> torch.Tensor:
+    """p [N, V] with all but each row's k largest entries zeroed."""
+    idx = p.topk(min(k, p.shape[-1]), -1).indices
+    return torch.zeros_like(p).scatter_(-1, idx, p.gather(-1, idx))
 
 
 def lk_lambda(alpha: torch.Tensor, eta: float) -> float:
@@ -211,8 +228,10 @@ def ttt_loss_fused(
     chunk: int = 512,
     loss: str = "kl",
     eta: float = 3.0,
+    topk: int = 10,
+    topk_weight: float = 1.0,
 ) -> TTTLossOutput:
-    """`ttt_loss(lm_head(states), ..., loss=loss, eta=eta)` without ever holding a [B, L, Vd] draft tensor.
+    """`ttt_loss(lm_head(states), ..., loss=loss, eta=eta, topk=topk, topk_weight=topk_weight)` without ever holding a [B, L, Vd] draft tensor.
 
     states: k tensors [B, L, H], the draft's normed states (`Eagle3Draft.ttt_states`);
     lm_head: the draft's lm_head weight [Vd, H]. The scored rows of all steps go through lm_head
@@ -239,7 +258,8 @@ def ttt_loss_fused(
         with torch.no_grad():
             alpha = _overlap(h_all, lm_head, tl, rows_all, chunk)
         mix = torch.cat([torch.full((n,), lk_lambda(a, eta), device=h_all.device) for n, a in zip(sizes, alpha.split(sizes))])
-    out_loss, kl, arg, alpha = _HeadKL.apply(h_all, lm_head, tl, rows_all, torch.cat(scale), chunk, need_grad, mix)
+    top = (topk, topk_weight) if loss == "topk" else None
+    out_loss, kl, arg, alpha = _HeadKL.apply(h_all, lm_head, tl, rows_all, torch.cat(scale), chunk, need_grad, mix, top)
     out = TTTLossOutput(loss=out_loss)
     for (valid, top, b_idx, t_idx), kl_j, arg_j, a_j in zip(steps, kl.split(sizes), arg.split(sizes), alpha.split(sizes)):
         hit = torch.zeros_like(valid)
@@ -273,22 +293,24 @@ def _record(out: TTTLossOutput, kl_sum: torch.Tensor, n_kl: int, hit: torch.Tens
 
 class _HeadKL(torch.autograd.Function):
     """sum_i scale_i * KL(p_i || softmax(h_i W^T)) over rows i, p_i = softmax(target_logits[rows_i]);
-    with `mix` [N]: sum_i scale_i * (mix_i * KL_i + (1 - mix_i) * (1 - alpha_i)), alpha_i = sum_v min(p_i, q_i).
+    with `mix` [N]: sum_i scale_i * (mix_i * KL_i + (1 - mix_i) * (1 - alpha_i)), alpha_i = sum_v min(p_i, q_i);
+    with `top` = (K, w): sum_i scale_i * (KL_i - w * sum_{v in topK(p_i)} p_iv log q_iv).
 
     The gradient is formed in the forward pass, chunk by chunk (d KL / d z = q - p; d (1 - alpha) / d z
-    = q * (s - m) with m = [q < p], s = sum_v m_v q_v), so nothing of size [N, Vd] outlives a chunk;
+    = q * (s - m) with m = [q < p], s = sum_v m_v q_v; d top-K CE / d z = q * sum(p_K) - p_K), so nothing of size [N, Vd] outlives a chunk;
     backward only scales the stored grads by the incoming scalar. Also returns each row's KL, the draft
     argmax (for top-1 agreement) and the overlap alpha.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, target_logits, rows, scale, chunk, need_grad, mix=None):  # h [N, H], weight [Vd, H], rows/scale/mix [N]
+    def forward(ctx, h, weight, target_logits, rows, scale, chunk, need_grad, mix=None, top=None):  # h [N, H], weight [Vd, H], rows/scale/mix [N]
         W = weight.float()
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_grad else None
         grad_w = torch.zeros_like(W) if need_grad else None
         kl = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         alpha = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         tv_part = torch.zeros((), dtype=torch.float32, device=h.device)  # sum_i scale_i (1 - mix_i)(1 - alpha_i)
+        top_part = torch.zeros((), dtype=torch.float32, device=h.device)  # sum_i scale_i w top-K CE_i
         arg = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         with torch.autocast(h.device.type, enabled=False):  # fp32 softmax and KL under bf16 autocast too
             for s in range(0, h.shape[0], chunk):
@@ -299,15 +321,21 @@ class _HeadKL(torch.autograd.Function):
                 logp = target_logits[rows[s : s + chunk]].float().log_softmax(-1)
                 p = logp.exp()
                 kl[s : s + chunk] = (p * (logp - logq)).sum(-1)
+                sc = scale[s : s + chunk, None]
+                if top is not None:
+                    pk = _top_only(p, top[0])  # [c, Vd]
+                    top_part -= (sc[:, 0] * top[1] * (pk * logq).sum(-1)).sum()
                 q = logq.exp_()  # in place: log q is not needed again
                 alpha[s : s + chunk] = torch.minimum(p, q).sum(-1)
-                sc = scale[s : s + chunk, None]
                 if mix is not None:
                     mx = mix[s : s + chunk, None]
                     tv_part += (sc * (1 - mx) * (1 - alpha[s : s + chunk, None])).sum()
                 if not need_grad:  # validation: no gradient to form
                     continue
-                if mix is None:
+                if top is not None:  # scale * ((q - p) + w (q sum(p_K) - p_K))
+                    dtop = q * pk.sum(-1, keepdim=True) - pk
+                    dz = q.sub_(p).add_(dtop.mul_(top[1])).mul_(sc)
+                elif mix is None:
                     dz = q.sub_(p).mul_(sc)  # scale * (softmax(z) - p), in place
                 else:
                     m = (q < p).float()
@@ -318,10 +346,10 @@ class _HeadKL(torch.autograd.Function):
         if need_grad:
             ctx.save_for_backward(grad_h.to(h.dtype), grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(kl, arg, alpha)
-        total = (kl * scale).sum() if mix is None else (kl * scale * mix).sum() + tv_part
+        total = (kl * scale).sum() + top_part if mix is None else (kl * scale * mix).sum() + tv_part
         return total, kl, arg, alpha
 
     @staticmethod
     def backward(ctx, g, _gkl, _garg, _galpha):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * g, grad_w * g, None, None, None, None, None, None
+        return grad_h * g, grad_w * g, None, None, None, None, None, None, None
