@@ -15,6 +15,8 @@ markdown table on stdout. Last line: one JSON object.
 
     .venv/bin/python benchmarks/levers.py --prepare runs/base/prepare --extract runs/base/extract \\
         --verifier runs/base/verifier --root runs/levers --threads 1 [--only baseline,lk] [--list]
+    .venv/bin/python benchmarks/levers.py --root runs/levers --score demo=runs/demo/train   # a head trained elsewhere
+    .venv/bin/python benchmarks/levers.py --root runs/levers --table   # every run so far, the README's table
 """
 from __future__ import annotations
 
@@ -102,6 +104,57 @@ def paired_delta(base: Path, other: Path, draws: int = 4000, seed: int = 0) -> t
     return point, float(lo), float(hi)
 
 
+def score(a, root: Path, name: str, draft: Path, ks: list[int], row: dict) -> dict:
+    """Replay-evaluate `draft` at each k into root/name/eval-k{k}, add tau, CI, per-position acceptance and
+    the paired delta to the baseline to `row`, append it to root/results.jsonl. Finished evals are reused."""
+    d = root / name
+    for k in ks:
+        out = d / f"eval-k{k}"
+        if not (out / "report.json").is_file():
+            args = ["eval", "--model", a.model, "--draft", str(draft), "--prompts", "mt-bench", "--k", str(k),
+                    "--max-new-tokens", str(a.max_new_tokens), "--mode", "replay", "--threads", str(a.threads),
+                    "--out", str(out)]
+            if a.limit:
+                args += ["--limit", str(a.limit)]
+            run(eagle3(*args), d / "log.txt", a.threads)
+        r = json.loads((out / "report.json").read_text())
+        row[f"tau_k{k}"] = round(r["acceptance_length"], 4)
+        row[f"ci_k{k}"] = [round(x, 4) for x in r["acceptance_length_ci"]]
+        row[f"per_position_k{k}"] = [round(x, 4) for x in r["per_position_acceptance"]]
+        base_eval = root / "baseline" / f"eval-k{k}"
+        if name != "baseline" and (base_eval / "samples.jsonl").is_file():
+            row[f"delta_k{k}"] = [round(x, 4) for x in paired_delta(base_eval, out)]
+    with open(root / "results.jsonl", "a") as f:
+        f.write(json.dumps({**row, "at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def table(root: Path) -> None:
+    """The README table: every lever's newest row in root/results.jsonl, baseline first."""
+    rows: dict[str, dict] = {}
+    for ln in (root / "results.jsonl").read_text().splitlines():
+        r = json.loads(ln)
+        rows[r["lever"]] = r
+    ci = lambda t, c: f"{t:.3f} [{c[0]:.3f}, {c[1]:.3f}]"  # noqa: E731
+    dl = lambda x: "{:+.3f} [{:+.3f}, {:+.3f}]".format(*x)  # noqa: E731
+    print("| lever | setting | steps | train CPU s (wall s) | replay tau k=3 [95% CI] | vs baseline, k=3 [paired 95% CI] "
+          "| tau k=5 [95% CI] (vs baseline) | per position (k=3) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in sorted(rows, key=lambda n: (n != "baseline", rows[n].get("at", ""))):
+        r = rows[name]
+        for k in (3, 5):  # paired to the baseline's eval at the same k, from the per-prompt rounds on disk
+            mine, theirs = root / name / f"eval-k{k}", root / "baseline" / f"eval-k{k}"
+            if name != "baseline" and (mine / "samples.jsonl").is_file() and (theirs / "samples.jsonl").is_file():
+                r[f"delta_k{k}"] = paired_delta(theirs, mine)
+        setting = {**r["train"], **LEVERS.get(name, ({}, {}, []))[1]}
+        cpu = f"{r['train_cpu_s']:.0f} ({r['train_wall_s']:.0f})" if r.get("train_cpu_s") else ""
+        k5 = ci(r["tau_k5"], r["ci_k5"]) + (f" ({dl(r['delta_k5'])})" if "delta_k5" in r else "") if "tau_k5" in r else ""
+        pp = " / ".join(f"{x:.3f}" for x in r["per_position_k3"])
+        print(f"| {name} | {json.dumps(setting)} | {r['steps']} | {cpu} | {ci(r['tau_k3'], r['ci_k3'])} "
+              f"| {dl(r['delta_k3']) if 'delta_k3' in r else ''} | {k5} | {pp} |")
+
+
 def eagle3(*args: str) -> list[str]:
     return [sys.executable, "-m", "eagle3.cli", *args]
 
@@ -109,9 +162,9 @@ def eagle3(*args: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--model", default=str(REPO / "assets" / "smollm2"))
-    ap.add_argument("--prepare", required=True)
-    ap.add_argument("--extract", required=True)
-    ap.add_argument("--verifier", required=True)
+    ap.add_argument("--prepare", help="(levers) the baseline's prepare dir")
+    ap.add_argument("--extract", help="(levers) the baseline's extract dir")
+    ap.add_argument("--verifier", help="(levers) the baseline's verifier dir")
     ap.add_argument("--regen-extract", default=None, help="extract dir of regenerated data (on-policy lever)")
     ap.add_argument("--regen-verifier", default=None)
     ap.add_argument("--regen-prepare", default=None)
@@ -122,7 +175,23 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="MT-Bench questions (default all 80)")
     ap.add_argument("--base", default=None, help="JSON of baseline training overrides (e.g. a shorter run)")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--table", action="store_true", help="print the table of every run in --root/results.jsonl and exit")
+    ap.add_argument("--score", default=None, metavar="NAME=DIR",
+                    help="score a head trained elsewhere (e.g. the demo's runs/demo/train) as lever NAME, and exit")
     a = ap.parse_args()
+    if a.table:
+        return table(Path(a.root))
+    if a.score:
+        name, train = a.score.split("=", 1)
+        man = json.loads((Path(train) / "manifest.json").read_text())
+        (Path(a.root) / name).mkdir(parents=True, exist_ok=True)
+        row = {"lever": name, "train": {k: man["config"][k] for k in ("epochs", "lr", "ttt_steps", "loss") if k in man.get("config", {})},
+               "steps": man["steps"], "best_step": man["best_step"], "best_metric": man.get("best_metric"),
+               "val_replay_tau": man.get("best_replay_tau"), "draft": str(Path(train) / "final")}
+        score(a, Path(a.root), name, Path(train) / "final", [3], row)
+        return
+    if not (a.prepare and a.extract and a.verifier) and not a.list:
+        ap.error("the levers need --prepare, --extract and --verifier (the baseline's stage dirs)")
     base = {**BASE, **(json.loads(a.base) if a.base else {})}
     names = a.only.split(",") if a.only else list(LEVERS)
     if a.list:
@@ -170,26 +239,7 @@ def main() -> None:
         row = {"lever": name, "train": {k: v for k, v in cfg.items() if k in over or k in ("epochs",)},
                "steps": man["steps"], "best_step": man["best_step"], "best_metric": man.get("best_metric"),
                "val_sim_tau": round(man["best_sim_tau"], 4), "val_replay_tau": man.get("best_replay_tau"), **t}
-        for k in ks:
-            out = d / f"eval-k{k}"
-            if not (out / "report.json").is_file():
-                args = ["eval", "--model", a.model, "--draft", str(d / "train" / "final"), "--prompts", "mt-bench",
-                        "--k", str(k), "--max-new-tokens", str(a.max_new_tokens), "--mode", "replay",
-                        "--threads", str(a.threads), "--out", str(out)]
-                if a.limit:
-                    args += ["--limit", str(a.limit)]
-                run(eagle3(*args), log, a.threads)
-            r = json.loads((out / "report.json").read_text())
-            row[f"tau_k{k}"] = round(r["acceptance_length"], 4)
-            row[f"ci_k{k}"] = [round(x, 4) for x in r["acceptance_length_ci"]]
-            row[f"per_position_k{k}"] = [round(x, 4) for x in r["per_position_acceptance"]]
-        base_eval = root / "baseline" / "eval-k3"
-        if name != "baseline" and (base_eval / "samples.jsonl").is_file():
-            row["delta_k3"] = [round(x, 4) for x in paired_delta(base_eval, d / "eval-k3")]
-        rows.append(row)
-        with open(root / "results.jsonl", "a") as f:
-            f.write(json.dumps({**row, "at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
-        print(json.dumps(row), flush=True)
+        rows.append(score(a, root, name, d / "train" / "final", ks, row))
     print("\n| lever | setting | steps | train CPU s (wall s) | MT-Bench-80 replay tau k=3 [95% CI] | vs baseline "
           "[paired 95% CI] | k=5 | val replay tau |")
     print("|---|---|---|---|---|---|---|---|")
