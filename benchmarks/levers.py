@@ -10,8 +10,8 @@ trains on the extract dir given by `--regen-extract` (benchmarks/onpolicy.py bui
 Runs go one at a time, each in its own process with `--threads` torch threads; every run's train and
 eval output stays under `--root/<lever>/`, and a finished run is not redone (delete its dir to rerun).
 Compute is reported as the CPU seconds of the training process (on a shared machine its wall time also
-measures the neighbours) next to the wall time. Results: `--root/results.jsonl` (one line per run) and a
-markdown table on stdout. Last line: one JSON object.
+measures the neighbours) next to the wall time. Results: `--root/results.jsonl` (one line per run) and the
+markdown table of every run in it on stdout. Last line: one JSON object.
 
     .venv/bin/python benchmarks/levers.py --prepare runs/base/prepare --extract runs/base/extract \\
         --verifier runs/base/verifier --root runs/levers --threads 1 [--only baseline,lk] [--list]
@@ -240,14 +240,8 @@ def main() -> None:
                "steps": man["steps"], "best_step": man["best_step"], "best_metric": man.get("best_metric"),
                "val_sim_tau": round(man["best_sim_tau"], 4), "val_replay_tau": man.get("best_replay_tau"), **t}
         rows.append(score(a, root, name, d / "train" / "final", ks, row))
-    print("\n| lever | setting | steps | train CPU s (wall s) | MT-Bench-80 replay tau k=3 [95% CI] | vs baseline "
-          "[paired 95% CI] | k=5 | val replay tau |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        k5 = f"{r['tau_k5']:.3f} [{r['ci_k5'][0]:.3f}, {r['ci_k5'][1]:.3f}]" if "tau_k5" in r else ""
-        dl = "{:+.3f} [{:+.3f}, {:+.3f}]".format(*r["delta_k3"]) if "delta_k3" in r else ""
-        print(f"| {r['lever']} | {json.dumps(r['train'])} | {r['steps']} | {r['train_cpu_s']:.0f} ({r['train_wall_s']:.0f}) "
-              f"| {r['tau_k3']:.3f} [{r['ci_k3'][0]:.3f}, {r['ci_k3'][1]:.3f}] | {dl} | {k5} | {r['val_replay_tau']:.3f} |")
+    print()
+    table(root)  # every run so far, this invocation's included
     print(json.dumps({"root": str(root), "runs": rows}))
 
 

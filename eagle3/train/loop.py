@@ -43,16 +43,14 @@ class TTT(nn.Module):
     """The k unrolled steps and their loss as one module forward, so DDP/FSDP hooks see the whole
     training pass (the fused loss applies the draft's lm_head itself)."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, block: int, weights: list[float], loss: str = "kl",
-                 eta: float = 3.0, topk: int = 10, topk_weight: float = 1.0):
-        super().__init__()
-        self.draft, self.steps, self.block, self.weights, self.loss, self.eta = draft, steps, block, weights, loss, eta
-        self.topk, self.topk_weight = topk, topk_weight
+    def __init__(self, draft: Eagle3Draft, steps: int, block: int, weights: list[float], **loss_kw):
+        super().__init__()  # loss_kw: ttt_loss_fused's loss, eta, topk, topk_weight (its defaults when absent)
+        self.draft, self.steps, self.block, self.weights, self.loss_kw = draft, steps, block, weights, loss_kw
 
     def forward(self, input_ids, aux, position_ids, doc, loss_mask, target_logits, target_top) -> TTTLossOutput:
         states = self.draft.ttt_states(input_ids, aux, position_ids, self.steps, doc=doc, block=self.block)
         return ttt_loss_fused(states, self.draft.lm_head.weight, target_logits, target_top, loss_mask, doc, self.weights,
-                              loss=self.loss, eta=self.eta, topk=self.topk, topk_weight=self.topk_weight)
+                              **self.loss_kw)
 
 
 @dataclass
@@ -284,7 +282,8 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
             last = None
     if last is not None:
         draft.load_state_dict(state_dict)  # before wrapping: FSDP2 then shards the loaded weights
-    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block, weights, cfg.loss, cfg.lk_eta, cfg.topk, cfg.topk_weight), world, cfg.fsdp)
+    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block, weights, loss=cfg.loss, eta=cfg.lk_eta, topk=cfg.topk,
+                         topk_weight=cfg.topk_weight), world, cfg.fsdp)
     # The optimizer is built on the wrapped model's parameters (FSDP2 replaces them with shards).
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
