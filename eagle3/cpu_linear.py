@@ -1,0 +1,122 @@
+"""Linear layers for few-row CPU inference: oneDNN prepacked weights, swapped in for a block of code.
+
+Why: at batch size 1 a decode step multiplies 1 row, a verify pass k+1 rows, against every weight
+of the target. On an x86 CPU with torch's stock fp32 path (MKL sgemm on [out, in] weights) a few
+rows cost far more than one: SmolLM2-135M's linear layers, one thread, median of 9
+(`benchmarks/cpu_linear.py`): 1 row 46 ms, 2 rows 74 ms, 3 rows 92 ms, 4 rows 62 ms. So a verify
+pass cost 1.7-2.5x a plain step, which no draft on this CPU could win back. A GPU, and vLLM's CPU
+backend with its oneDNN GEMM handlers, verify k+1 tokens for about the price of one: the weights
+are read once either way.
+
+`packed_linears(*modules)` replaces every `nn.Linear` inside them, for the duration of a `with`
+block, by a `PackedLinear` holding its weight prepacked in oneDNN's blocked layout (the layout
+oneDNN picks for a few rows). Same machine, one thread: 3-6 rows 31 ms, 2 threads 23-25 ms. For 1
+and 2 rows the faster of that and a plain GEMV on the transposed weight (`x @ W^T` contiguous: 35 ms
+at 1 thread, flat in threads) is timed on the module's own layers once, at entry, so the plain
+greedy baseline runs on its fastest kernel too. Results equal `F.linear` to fp32 rounding (~2e-6
+here), not bitwise: greedy argmax near-ties may flip, as between any two kernels.
+
+Inference only (no autograd through the packed copy), fp32 on CPU; anything else is left as is.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+# oneDNN picks its blocked weight layout for an expected row count; 8 serves 1..400 rows here
+# (measured 1-6, 16, 32, 64, 400 rows: never slower than stock F.linear).
+_PACK_ROWS = 8
+
+
+def available() -> bool:
+    """oneDNN's linear ops exist in this torch build (x86 and aarch64 CPU wheels have them)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear's forward on a oneDNN-prepacked copy of its weight; GEMV for the row counts in `gemv_rows`."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.linear = lin  # kept: `.weight` stays readable (dtype checks, tied embeddings), and undo is exact
+        w = lin.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+        self.wt = w.t().contiguous()  # [in, out]: the GEMV reads it in rows, one pass over memory
+        self.bias = None if lin.bias is None else lin.bias.detach()
+        self.gemv_rows: frozenset[int] = frozenset()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows in self.gemv_rows:
+            y = x @ self.wt
+            return y if self.bias is None else y + self.bias
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _swappable(m: nn.Module) -> bool:
+    w = m.weight
+    return type(m) is nn.Linear and w.device.type == "cpu" and w.dtype == torch.float32
+
+
+def _time_kernels(layers: list[PackedLinear], rows: int, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of one pass of `rows` random rows through every layer, per kernel."""
+    xs = {n: torch.randn(rows, n) for n in {p.linear.in_features for p in layers}}
+    out = {}
+    for name, gemv in (("onednn", frozenset()), ("gemv", frozenset({rows}))):
+        for p in layers:
+            p.gemv_rows = gemv
+        ts = []
+        for _ in range(repeats + 1):  # the first pass warms caches and oneDNN's primitive cache
+            t = time.perf_counter()
+            for p in layers:
+                p(xs[p.linear.in_features])
+            ts.append(time.perf_counter() - t)
+        out[name] = sorted(ts[1:])[repeats // 2]
+    return out
+
+
+@contextlib.contextmanager
+def packed_linears(*modules: nn.Module) -> Iterator[dict[str, str]]:
+    """Swap every fp32 CPU nn.Linear under `modules` for a PackedLinear inside the block; restore on exit.
+
+    Yields the kernel chosen per row count ({"1": "gemv" or "onednn", "2": ..., "3+": "onednn"}), for
+    the report; empty when nothing was swapped (no oneDNN, or no fp32 CPU linears).
+    """
+    swaps: list[tuple[nn.Module, str, nn.Linear, PackedLinear]] = []
+    if available():
+        with torch.inference_mode():
+            for mod in modules:
+                for parent in list(mod.modules()):
+                    for name, child in list(parent.named_children()):
+                        if isinstance(child, nn.Linear) and _swappable(child):
+                            swaps.append((parent, name, child, PackedLinear(child)))
+    choice: dict[str, str] = {}
+    try:
+        if swaps:
+            layers = [p for *_, p in swaps]
+            gemv = set()
+            with torch.inference_mode():
+                for rows in (1, 2):
+                    t = _time_kernels(layers, rows)
+                    best = min(t, key=t.get)
+                    choice[str(rows)] = best
+                    if best == "gemv":
+                        gemv.add(rows)
+            for p in layers:
+                p.gemv_rows = frozenset(gemv)
+            choice["3+"] = "onednn"
+            for parent, name, _, packed in swaps:
+                setattr(parent, name, packed)
+        yield choice
+    finally:
+        for parent, name, lin, _ in swaps:
+            setattr(parent, name, lin)
