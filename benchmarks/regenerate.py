@@ -6,8 +6,8 @@ time inside the backend), CPU seconds of the process (on a shared machine wall t
 the neighbours; CPU time measures the work), and whether its file is byte-identical to the first
 run's (batch size 1 is single-sequence greedy, exact by construction) -- the honest measure of
 near-tie flips caused by padded batching. `--stock` also runs each batch size through transformers'
-stock decoding (DynamicCache growing by torch.cat, SDPA with repeat_kv), the path before
-eagle3/batch_decode.py, side by side. Also prints the load average. Last line: one JSON object.
+stock decoding (DynamicCache growing by torch.cat, SDPA with repeat_kv, F.linear), the path before
+eagle3/batch_decode.py and eagle3/cpu_linear.py, side by side. Also prints the load average. Last line: one JSON object.
 
     .venv/bin/python benchmarks/regenerate.py [--data sharegpt|mt-bench|FILE] [--limit 6] [--max-new-tokens 64]
                                               [--batch-sizes 1,4,8] [--threads 2] [--stock]
@@ -36,7 +36,9 @@ from eagle3.target import Target  # noqa: E402
 
 
 class StockGenerator(HFGenerator):
-    """The same batching and picking, decoded with transformers' stock cache and attention."""
+    """The same batching and picking, decoded with transformers' stock cache, attention and linear layers."""
+
+    cpu_linear = False
 
     @torch.inference_mode()
     def _batch(self, prompts, seeds):

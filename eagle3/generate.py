@@ -14,6 +14,7 @@ Speed (hf, CPU): on a shared CPU give torch one thread (`--threads 1`): with oth
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,6 +22,7 @@ from typing import Protocol
 import torch
 
 from eagle3.config import RegenConfig
+from eagle3.cpu_linear import packed_linears
 
 
 @dataclass
@@ -59,6 +61,7 @@ class HFGenerator:
     """
 
     name = "hf"
+    cpu_linear = True  # on CPU, linear layers on oneDNN-prepacked weights (eagle3/cpu_linear.py)
 
     def __init__(self, model: torch.nn.Module, eos: set[int], cfg: RegenConfig, pad_id: int, tail: int = 0):
         # tail: keep decoding this many tokens past the stop (replay evaluation checks a draft's
@@ -73,10 +76,13 @@ class HFGenerator:
         # Longest first and similar lengths together: little padding, and the largest KV cache early.
         order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
         out: list[Gen | None] = [None] * len(prompts)
-        for idx in self.batches([len(prompts[i]) for i in order]):
-            idx = [order[k] for k in idx]
-            for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx])):
-                out[i] = g
+        # On CPU the linear layers run on oneDNN-prepacked weights (eagle3/cpu_linear.py): a decode
+        # step multiplies only `batch` rows per weight, where torch's stock fp32 GEMM is slowest.
+        with packed_linears(self.model) if self.cpu_linear else contextlib.nullcontext():
+            for idx in self.batches([len(prompts[i]) for i in order]):
+                idx = [order[k] for k in idx]
+                for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx])):
+                    out[i] = g
         return out  # type: ignore[return-value]
 
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:

@@ -193,6 +193,24 @@ def test_random_draft_is_lossless_and_counts_match_vllm(target, tiny_llama_dir, 
     assert r["num_draft_tokens"] == K * r["num_drafts"]
 
 
+def test_packed_cpu_kernels_decode_as_stock(target, tiny_llama_dir, convs, eos):
+    """Live eval runs on oneDNN-prepacked linears by default: same outputs, rounds and tau as torch's stock
+    F.linear on this tiny target (fp32 rounding could only flip an exact near-tie); the kernels are reported."""
+    model, tok = target
+    d = random_draft(tiny_llama_dir)
+    d.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
+    stock = measure(model, tok, DraftProposer(d), d.config.aux_layer_ids, convs, K, MAX_NEW, eos, cpu_linear=False)
+    packed = measure(model, tok, DraftProposer(d), d.config.aux_layer_ids, convs, K, MAX_NEW, eos)
+    assert stock["cpu_linear"] == {} and packed["cpu_linear"]["3+"] == "onednn"
+    assert packed["lossless"] is True
+    assert [t["text"] for it in packed["items"] for t in it["turns"]] == [t["text"] for it in stock["items"] for t in it["turns"]]
+    for key in ("acceptance_length", "num_drafts", "num_accepted_tokens_per_pos"):
+        assert packed[key] == stock[key]
+    from eagle3.cpu_linear import PackedLinear
+
+    assert not any(isinstance(m, PackedLinear) for net in (model, d) for m in net.modules())  # restored
+
+
 def test_draft_cache_equals_a_fresh_draft_over_the_whole_prefix(target, tiny_llama_dir):
     """After any mix of accepted/rejected rounds, the incremental draft (cache + crops) proposes
     what a fresh draft proposes from all verified states at once; tau counts exactly the accepted."""

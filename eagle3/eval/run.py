@@ -112,7 +112,7 @@ def with_live_check(replay: dict[str, Any], live: dict[str, Any]) -> dict[str, A
     """A replay report with a live run of some of its prompts: lossless, speed and the samples from the live run
     (its own tau and counts under `live`), tau and the acceptance figures from the replay."""
     keys = ("lossless", "tokens_per_second", "target_tokens_per_second", "speedup_vs_target", "spec_seconds",
-            "target_seconds")
+            "target_seconds", "cpu_linear")
     out = {**replay, **{k: live[k] for k in keys}, "items": live["items"]}
     out["live"] = {k: live[k] for k in (*keys, "acceptance_length", "per_position_acceptance", "num_prompts",
                                         "num_turns", "num_drafts", "generated_tokens", "max_new_tokens")}
