@@ -29,6 +29,7 @@ BENCHES = {
     "ttt_attention": ["ttt_attention.py"],
     "train": ["train.py"],
     "regenerate": ["regenerate.py"],
+    "cpu_linear": ["cpu_linear.py"],
     "faults": ["faults.py"],
     "families": ["families.py"],
     "verify_on_read": ["verify_on_read.py"],

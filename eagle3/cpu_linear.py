@@ -2,19 +2,26 @@
 
 Why: at batch size 1 a decode step multiplies 1 row, a verify pass k+1 rows, against every weight
 of the target. On an x86 CPU with torch's stock fp32 path (MKL sgemm on [out, in] weights) a few
-rows cost far more than one: SmolLM2-135M's linear layers, one thread, median of 9
-(`benchmarks/cpu_linear.py`): 1 row 46 ms, 2 rows 74 ms, 3 rows 92 ms, 4 rows 62 ms. So a verify
-pass cost 1.7-2.5x a plain step, which no draft on this CPU could win back. A GPU, and vLLM's CPU
-backend with its oneDNN GEMM handlers, verify k+1 tokens for about the price of one: the weights
-are read once either way.
+rows cost far more than one. All 211 linear layers of SmolLM2-135M, one pass, median of 9
+(`benchmarks/cpu_linear.py`, 2-core AMD EPYC, idle):
+
+    rows                   1      2      3      4      6     32    400
+    stock, 1 thread     57.6   98.6  122.0   84.8   86.8  153.9   1210   ms
+    packed, 1 thread    45.8   51.5   47.5   45.5   35.7   98.6   1039
+    stock, 2 threads    47.4   80.6   98.9   72.1   69.7  116.1    724
+    packed, 2 threads   28.9   31.4   27.4   29.1   25.3   70.7    564
+
+So with stock kernels a verify pass cost 1.5-2.1x a plain step, which no draft could win back; packed,
+it costs about one step, as on a GPU (the weights are read once either way). vLLM's own CPU backend
+does the same: its unquantized-GEMM dispatch (`vllm/model_executor/layers/utils.py`) prepacks every
+linear weight into a oneDNN matmul handler.
 
 `packed_linears(*modules)` replaces every `nn.Linear` inside them, for the duration of a `with`
-block, by a `PackedLinear` holding its weight prepacked in oneDNN's blocked layout (the layout
-oneDNN picks for a few rows). Same machine, one thread: 3-6 rows 31 ms, 2 threads 23-25 ms. For 1
-and 2 rows the faster of that and a plain GEMV on the transposed weight (`x @ W^T` contiguous: 35 ms
-at 1 thread, flat in threads) is timed on the module's own layers once, at entry, so the plain
-greedy baseline runs on its fastest kernel too. Results equal `F.linear` to fp32 rounding (~2e-6
-here), not bitwise: greedy argmax near-ties may flip, as between any two kernels.
+block, by a `PackedLinear` holding its weight prepacked in oneDNN's blocked layout. For 1 and 2 rows
+the faster of that and a plain GEMV on a transposed copy (`x @ W^T` contiguous; on this CPU within
+1% of packed at 1 row and 1 thread, 1.3x slower at 2 threads) is timed on the module's own layers
+at entry, so the plain greedy baseline runs on its fastest kernel too. Results equal `F.linear` to
+fp32 rounding (~2e-6 here), not bitwise: a greedy argmax near-tie may flip, as between any two kernels.
 
 Inference only (no autograd through the packed copy), fp32 on CPU; anything else is left as is.
 """
@@ -28,7 +35,7 @@ import torch
 from torch import nn
 
 # oneDNN picks its blocked weight layout for an expected row count; 8 serves 1..400 rows here
-# (measured 1-6, 16, 32, 64, 400 rows: never slower than stock F.linear).
+# (measured 1-6, 16, 32, 64, 400 rows: faster than stock F.linear at every one).
 _PACK_ROWS = 8
 
 
