@@ -7,7 +7,8 @@ the neighbours; CPU time measures the work), and whether its file is byte-identi
 run's (batch size 1 is single-sequence greedy, exact by construction) -- the honest measure of
 near-tie flips caused by padded batching. `--stock` also runs each batch size through transformers'
 stock decoding (DynamicCache growing by torch.cat, SDPA with repeat_kv, F.linear), the path before
-eagle3/batch_decode.py and eagle3/cpu_linear.py, side by side. Also prints the load average. Last line: one JSON object.
+eagle3/batch_decode.py and eagle3/cpu_linear.py, and through eagle3's cache and attention on stock
+F.linear (path `eagle3-flinear`: the share of the packed linear layers), side by side. Also prints the load average. Last line: one JSON object.
 
     .venv/bin/python benchmarks/regenerate.py [--data sharegpt|mt-bench|FILE] [--limit 6] [--max-new-tokens 64]
                                               [--batch-sizes 1,4,8] [--threads 2] [--stock]
@@ -33,6 +34,12 @@ from eagle3.generate import HFGenerator  # noqa: E402
 from eagle3.regenerate.run import OUT_FILE, regenerate  # noqa: E402
 from eagle3.regenerate.hf import load_hf  # noqa: E402
 from eagle3.target import Target  # noqa: E402
+
+
+class FLinearGenerator(HFGenerator):
+    """eagle3's cache and attention, on torch's stock F.linear (no oneDNN prepacking)."""
+
+    cpu_linear = False
 
 
 class StockGenerator(HFGenerator):
@@ -75,7 +82,8 @@ def main() -> None:
                                                              {"role": "assistant", "content": "-"})]
                     g.write(json.dumps({"id": str(q["question_id"]), "messages": msgs}) + "\n")
         stock = StockGenerator(gen.model, gen.eos, gen.cfg, gen.pad)
-        paths = (("stock", stock), ("eagle3", gen)) if a.stock else (("eagle3", gen),)
+        flinear = FLinearGenerator(gen.model, gen.eos, gen.cfg, gen.pad)
+        paths = (("stock", stock), ("eagle3-flinear", flinear), ("eagle3", gen)) if a.stock else (("eagle3", gen),)
         for bs, (path, g) in [(bs, p) for bs in map(int, a.batch_sizes.split(",")) for p in paths]:
             cfg = RegenConfig(max_new_tokens=a.max_new_tokens, limit=a.limit, batch_size=bs, chunk_records=a.limit)
             g.cfg = cfg
