@@ -8,7 +8,8 @@ run's (batch size 1 is single-sequence greedy, exact by construction) -- the hon
 near-tie flips caused by padded batching. `--stock` also runs each batch size through transformers'
 stock decoding (DynamicCache growing by torch.cat, SDPA with repeat_kv, F.linear), the path before
 eagle3/batch_decode.py and eagle3/cpu_linear.py, and through eagle3's cache and attention on stock
-F.linear (path `eagle3-flinear`: the share of the packed linear layers), side by side. Also prints the load average. Last line: one JSON object.
+F.linear (path `eagle3-flinear`: the share of the packed linear layers), side by side. Also prints the
+load average. Last line: one JSON object.
 
     .venv/bin/python benchmarks/regenerate.py [--data sharegpt|mt-bench|FILE] [--limit 6] [--max-new-tokens 64]
                                               [--batch-sizes 1,4,8] [--threads 2] [--stock]
@@ -42,10 +43,8 @@ class FLinearGenerator(HFGenerator):
     cpu_linear = False
 
 
-class StockGenerator(HFGenerator):
+class StockGenerator(FLinearGenerator):
     """The same batching and picking, decoded with transformers' stock cache, attention and linear layers."""
-
-    cpu_linear = False
 
     @torch.inference_mode()
     def _batch(self, prompts, seeds):

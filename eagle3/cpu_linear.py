@@ -52,7 +52,7 @@ class PackedLinear(nn.Module):
         self.linear = lin  # kept: `.weight` stays readable (dtype checks, tied embeddings), and undo is exact
         w = lin.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
-        self.wt = w.t().contiguous()  # [in, out]: the GEMV reads it in rows, one pass over memory
+        self.wt: torch.Tensor | None = w.t().contiguous()  # [in, out]: the GEMV reads it in rows, one pass
         self.bias = None if lin.bias is None else lin.bias.detach()
         self.gemv_rows: frozenset[int] = frozenset()
 
@@ -70,8 +70,7 @@ class PackedLinear(nn.Module):
 
 
 def _swappable(m: nn.Module) -> bool:
-    w = m.weight
-    return type(m) is nn.Linear and w.device.type == "cpu" and w.dtype == torch.float32
+    return type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
 
 
 def _time_kernels(layers: list[PackedLinear], rows: int, rounds: int = 7) -> dict[str, float]:
@@ -107,22 +106,21 @@ def packed_linears(*modules: nn.Module) -> Iterator[dict[str, str]]:
             for mod in modules:
                 for parent in list(mod.modules()):
                     for name, child in list(parent.named_children()):
-                        if isinstance(child, nn.Linear) and _swappable(child):
+                        if _swappable(child):
                             swaps.append((parent, name, child, PackedLinear(child)))
     choice: dict[str, str] = {}
     try:
         if swaps:
             layers = [p for *_, p in swaps]
-            gemv = set()
             with torch.inference_mode():
                 for rows in (1, 2):
                     t = _time_kernels(layers, rows)
-                    best = min(t, key=t.get)
-                    choice[str(rows)] = best
-                    if best == "gemv":
-                        gemv.add(rows)
+                    choice[str(rows)] = min(t, key=t.get)
+            gemv = frozenset(r for r in (1, 2) if choice[str(r)] == "gemv")
             for p in layers:
-                p.gemv_rows = frozenset(gemv)
+                p.gemv_rows = gemv
+                if not gemv:
+                    p.wt = None  # the transposed copy only served the timing: free its memory (a second weight)
             choice["3+"] = "onednn"
             for parent, name, _, packed in swaps:
                 setattr(parent, name, packed)

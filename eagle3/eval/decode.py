@@ -24,6 +24,7 @@ the same prompts: its output is the lossless reference and its wall time the spe
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -255,11 +256,8 @@ def measure(
         raise ValueError(f"k must be >= 1, got {k}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not cpu_linear:
-        return _measure(target_model, tokenizer, proposer, aux_ids, convs, k, max_new_tokens, eos, progress) | {
-            "cpu_linear": {}}
     mods = [target_model] + ([proposer.draft] if isinstance(proposer, DraftProposer) else [])
-    with packed_linears(*mods) as kernels:
+    with packed_linears(*mods) if cpu_linear else contextlib.nullcontext({}) as kernels:
         report = _measure(target_model, tokenizer, proposer, aux_ids, convs, k, max_new_tokens, eos, progress)
     return report | {"cpu_linear": kernels}
 
