@@ -30,6 +30,7 @@ BENCHES = {
     "train": ["train.py"],
     "regenerate": ["regenerate.py"],
     "cpu_linear": ["cpu_linear.py"],
+    "heap": ["heap.py"],
     "faults": ["faults.py"],
     "families": ["families.py"],
     "verify_on_read": ["verify_on_read.py"],
@@ -39,6 +40,7 @@ QUICK = {  # smaller settings for a smoke run of this script itself
     "prepare": ["--limit", "200"],
     "verify_on_read": ["--gib", "0.3", "--ranks", "4", "--repeats", "1"],
     "train": ["--vocab", "8192", "--k", "3", "--pack", "512", "--steps", "1"],
+    "heap": ["--only", "train", "--steps", "1", "--warmup", "1", "--repeats", "1"],
 }
 
 

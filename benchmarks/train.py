@@ -34,10 +34,12 @@ def child(vd: int, k: int, pack: int, steps: int, warmup: int, untied: bool) -> 
     import torch
 
     sys.path.insert(0, str(REPO))
+    from eagle3.heap import retain_freed_memory
     from eagle3.model import DraftConfig, Eagle3Draft
     from eagle3.train.loop import TTT, optimizer_step, row_pass
     from eagle3.train.loss import TargetHead, step_weights
 
+    retain_freed_memory()  # as the trainer does
     torch.manual_seed(0)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     c = DraftConfig.from_target(SMOLLM2, draft_vocab_size=vd)

@@ -27,6 +27,7 @@ from eagle3.eval.report import finish_report
 from eagle3.formats import dir_fingerprint, load_draft
 from eagle3.manifests import EvalReport
 from eagle3.model import Eagle3Draft
+from eagle3.heap import retain_freed_memory
 from eagle3.target import Target
 
 log = logging.getLogger("eagle3.eval")
@@ -68,6 +69,7 @@ def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg:
         return evaluate_vllm(model_dir, draft_dir, out, cfg, fp, trust_remote_code=trust_remote_code)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    retain_freed_memory()
     convs, _ = load_prompts(cfg.prompts, cfg.limit)
     model, tok, eos = load_target(model_dir, device, trust_remote_code)
     draft, fmt = load_draft(draft_dir, model_dir, model.get_input_embeddings().weight)

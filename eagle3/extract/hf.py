@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from eagle3.capture import catch, padded_batches
+from eagle3 import heap
 from eagle3.faults import point
 
 Sample = tuple[str, torch.Tensor]  # (sample_id, input_ids [T])
@@ -64,4 +65,5 @@ class HFBackend:
                 yield sid, tok, h[r, :n]
             if on_tokens is not None:
                 on_tokens(sum(lengths))
+            heap.release()  # now and then: the next batch reuses this one's freed blocks (eagle3.heap)
             point("extract.batch")

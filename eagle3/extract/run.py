@@ -37,6 +37,7 @@ from eagle3.store import (
     shard_meta,
     shard_problem,
 )
+from eagle3.heap import retain_freed_memory
 from eagle3.target import Target
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do) of this run
@@ -190,6 +191,7 @@ def run_extract(
     one keeps its committed shards. `backend` overrides the one `cfg.backend` would build.
     """
     cfg = cfg or ExtractConfig()
+    retain_freed_memory()  # batch after batch of the same large buffers: reuse them in place
     model, prepared, out = Path(model), Path(prepared), Path(out)
     prep = PreparedData.read(prepared)
     target = Target.open(model, trust_remote_code)

@@ -45,6 +45,7 @@ from eagle3.config import RegenConfig
 from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
 from eagle3.generate import Generator
+from eagle3.heap import retain_freed_memory
 from eagle3.target import Target, prompt_ids
 
 log = logging.getLogger("eagle3.regenerate")
@@ -253,6 +254,7 @@ def regenerate(
     target in `model`). Rerunning with the same inputs returns the finished manifest untouched.
     """
     model, out = Path(model), Path(out)
+    retain_freed_memory()
     target = Target.open(model, trust_remote_code)
     src = resolve_source(data)
     fp = inputs(model, data, cfg, trust_remote_code)

@@ -1,0 +1,90 @@
+"""Keep freed memory in the process heap instead of handing it back to the OS after every step.
+
+Why: every CPU stage allocates and frees the same large tensors over and over (a training step's
+[L, Vd] logits and activations, an extraction batch's [B, T, H] states). glibc serves any block
+above its mmap threshold (128 KiB, rising to at most 32 MiB) with a fresh mmap and returns it on
+free, and gives the top of the heap back above its trim threshold; either way the next step
+touches new pages and the kernel zero-fills them on first touch. On SmolLM2 that was ~190k page
+faults per training step and 8-17% of all CPU time spent in the kernel (`make demo`: 564 s of
+system time in 50 min). With both thresholds raised the blocks are reused in place:
+`benchmarks/heap.py` measures the gain per stage and the peak RSS it costs.
+
+This is what jemalloc / tcmalloc give torch CPU workloads, with nothing to install. glibc only;
+elsewhere (macOS, musl) nothing is changed. Process-wide and idempotent: each CPU-heavy stage
+calls `retain_freed_memory()` as it starts. `EAGLE3_HEAP=release` keeps glibc's defaults and has
+`release()` hand the freed heap back at each training step (a host short of RAM, where returning
+memory matters more than speed; this was the trainer's behaviour before).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+# mallopt parameters (glibc malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# Blocks up to this size come from the heap and stay there once freed: above the largest tensor a
+# step allocates (a 2048-token row's [L, 32000] fp32 logits are 262 MB; a 16k-token extraction
+# batch's [B*T, 1536] MLP activations 100 MB). Bigger ones are still mmapped and returned.
+_RETAIN_BYTES = 1 << 30
+
+_state: str | None = None  # None: not tried yet; else "retain", "release" (opted out) or "unavailable"
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def retain_freed_memory() -> str:
+    """Raise glibc's mmap and trim thresholds to 1 GiB (once per process); returns the state."""
+    global _state
+    if _state is not None:
+        return _state
+    if os.environ.get("EAGLE3_HEAP", "retain") == "release":
+        _state = "release"
+        return _state
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not glibc
+        _state = "unavailable"
+        return _state
+    # glibc rejects an mmap threshold above its own cap on some builds: then the cap is the best it allows
+    ok = any(mallopt(_M_MMAP_THRESHOLD, v) for v in (_RETAIN_BYTES, 32 << 20))
+    ok = mallopt(_M_TRIM_THRESHOLD, _RETAIN_BYTES) and ok
+    _state = "retain" if ok else "unavailable"
+    if not ok:
+        log.debug("heap: glibc refused the mmap/trim thresholds; its defaults stay")
+    return _state
+
+
+# retain mode: trim once every this many `release()` calls (steps), bounding how far RSS can drift
+_TRIM_EVERY = 16
+_calls = 0
+
+
+def release() -> None:
+    """Called between steps: by the trainer after each optimizer step, by extraction after each batch.
+
+    release mode: give the heap's free memory back to the OS now (glibc's malloc_trim, ~1 ms).
+    retain mode: the same, once every 16 calls. Retained blocks do not always fit the next request:
+    torch asks for 64-byte aligned blocks, so a freed block of exactly the size asked for again is too
+    small and the heap grows past it. Blocks of varying sizes (real steps) get reused, but one 64 MiB
+    size allocated over and over grew RSS by 64 MiB nearly every round (283 -> 731 MB in 10 rounds).
+    A trim every 16 steps bounds that drift and costs 1/16 of the page faults of trimming every step."""
+    global _calls
+    if _state not in ("release", "retain"):
+        return
+    _calls += 1
+    if _state == "retain" and _calls % _TRIM_EVERY:
+        return
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
