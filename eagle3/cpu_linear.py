@@ -94,11 +94,13 @@ def _time_kernels(layers: list[PackedLinear], rows: int, rounds: int = 7) -> dic
 
 
 @contextlib.contextmanager
-def packed_linears(*modules: nn.Module) -> Iterator[dict[str, str]]:
+def packed_linears(*modules: nn.Module, timed: bool = True) -> Iterator[dict[str, str]]:
     """Swap every fp32 CPU nn.Linear under `modules` for a PackedLinear inside the block; restore on exit.
 
     Yields the kernel chosen per row count ({"1": "gemv" or "onednn", "2": ..., "3+": "onednn"}), for
-    the report; empty when nothing was swapped (no oneDNN, or no fp32 CPU linears).
+    the report; empty when nothing was swapped (no oneDNN, or no fp32 CPU linears). `timed=False`
+    skips the 1- and 2-row timing and uses oneDNN for every row count: for many-row work (extraction),
+    where a choice made by a clock would make reruns differ in their last bits.
     """
     swaps: list[tuple[nn.Module, str, nn.Linear, PackedLinear]] = []
     if available():
@@ -114,7 +116,7 @@ def packed_linears(*modules: nn.Module) -> Iterator[dict[str, str]]:
             layers = [p for *_, p in swaps]
             with torch.inference_mode():
                 for rows in (1, 2):
-                    t = _time_kernels(layers, rows)
+                    t = _time_kernels(layers, rows) if timed else {"onednn": 0.0}
                     choice[str(rows)] = min(t, key=t.get)
             gemv = frozenset(r for r in (1, 2) if choice[str(r)] == "gemv")
             for p in layers:
