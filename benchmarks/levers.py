@@ -52,6 +52,9 @@ LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "pack1024": ({"pack_tokens": 1024}, {}, [3]),
     "pack4096": ({"pack_tokens": 4096}, {}, [3]),
     "epochs3": ({"epochs": 3}, {}, [3]),
+    # the demo preset (3 epochs, lr 3e-3) on 1,024-token packs: the pack1024 win, checked at full demo length
+    # (validation every 100 steps: the same count as the preset's 50 at 2,048-token packs)
+    "demo-pack1024": ({"epochs": 3, "lr": 3e-3, "pack_tokens": 1024, "val_every": 100, "ckpt_every": 100}, {}, [3]),
     "vocab16k": ({}, {"vocab": 16384}, [3]),
     "vocab32k": ({}, {"vocab": 32000}, [3]),
     "onpolicy": ({}, {"data": "onpolicy"}, [3]),
