@@ -47,12 +47,13 @@ def available() -> bool:
 class PackedLinear(nn.Module):
     """An nn.Linear's forward on a oneDNN-prepacked copy of its weight; GEMV for the row counts in `gemv_rows`."""
 
-    def __init__(self, lin: nn.Linear):
+    def __init__(self, lin: nn.Linear, gemv: bool = True):
         super().__init__()
         self.linear = lin  # kept: `.weight` stays readable (dtype checks, tied embeddings), and undo is exact
         w = lin.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
-        self.wt: torch.Tensor | None = w.t().contiguous()  # [in, out]: the GEMV reads it in rows, one pass
+        # [in, out]: the GEMV reads it in rows, one pass; only built when the GEMV may be chosen
+        self.wt: torch.Tensor | None = w.t().contiguous() if gemv else None
         self.bias = None if lin.bias is None else lin.bias.detach()
         self.gemv_rows: frozenset[int] = frozenset()
 
@@ -109,15 +110,15 @@ def packed_linears(*modules: nn.Module, timed: bool = True) -> Iterator[dict[str
                 for parent in list(mod.modules()):
                     for name, child in list(parent.named_children()):
                         if _swappable(child):
-                            swaps.append((parent, name, child, PackedLinear(child)))
+                            swaps.append((parent, name, child, PackedLinear(child, gemv=timed)))
     choice: dict[str, str] = {}
     try:
         if swaps:
             layers = [p for *_, p in swaps]
             with torch.inference_mode():
                 for rows in (1, 2):
-                    t = _time_kernels(layers, rows) if timed else {"onednn": 0.0}
-                    choice[str(rows)] = min(t, key=t.get)
+                    t = _time_kernels(layers, rows) if timed else {}
+                    choice[str(rows)] = min(t, key=t.get) if t else "onednn"
             gemv = frozenset(r for r in (1, 2) if choice[str(r)] == "gemv")
             for p in layers:
                 p.gemv_rows = gemv

@@ -81,10 +81,11 @@ def release() -> None:
     size allocated over and over grew RSS by 64 MiB nearly every round (283 -> 731 MB in 10 rounds).
     A trim every 16 steps bounds that drift and costs 1/16 of the page faults of trimming every step."""
     global _calls
-    if _state not in ("release", "retain"):
-        return
-    _calls += 1
-    if _state == "retain" and _calls % _TRIM_EVERY:
+    if _state == "retain":
+        _calls += 1
+        if _calls % _TRIM_EVERY:
+            return
+    elif _state != "release":
         return
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
