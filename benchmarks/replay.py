@@ -14,6 +14,10 @@ the neighbours):
    equals the cached greedy answer.
 Without `--draft` only the caches are built (aux ids: `--aux-layers` or the target's default).
 
+`--compare-build` times building both caches, in fresh temporary dirs, two ways in one process: as
+`eagle3 eval` built them before (1 thread, the aux forward on torch's stock linears) and as it builds
+them now (`--threads` threads, the aux forward on oneDNN-prepacked linears), and compares the results.
+
     .venv/bin/python benchmarks/replay.py --draft runs/demo/train/final [--prompts mt-bench] [--k 3]
         [--max-new-tokens 256] [--batch-size 128] [--threads 2] [--replay-threads 1,2] [--live 3]
 
@@ -67,7 +71,12 @@ def main() -> None:
     ap.add_argument("--replay-threads", default="2", help="thread counts to time the replay at, e.g. 1,2")
     ap.add_argument("--live", type=int, default=0, help="compare live decoding with replay on the first N conversations")
     ap.add_argument("--cache", default=None, help="cache root (default $EAGLE3_CACHE_DIR/replay)")
+    ap.add_argument("--compare-build", action="store_true",
+                    help="time the cache build at 1 thread + stock linears against --threads + packed linears")
     a = ap.parse_args()
+    if a.compare_build:
+        compare_build(a)
+        return
 
     torch.set_num_threads(a.threads)
     target = Target.open(a.model)
@@ -143,6 +152,45 @@ def main() -> None:
         print(f"live vs replay: {len(sel)} turns, {rounds} live rounds, {disagree} disagree; "
               f"live output == cached greedy answer in {equal}/{len(sel)} turns", flush=True)
     res["loadavg_end"] = os.getloadavg()[0]
+    print(json.dumps(res))
+
+
+def compare_build(a) -> None:
+    """Both caches built twice in fresh dirs: the old way (1 thread, stock aux forward), then the new."""
+    import tempfile
+
+    target = Target.open(a.model)
+    model = target.load_model(head=True, device="cpu")
+    convs, _ = load_prompts(a.prompts, a.limit)
+    aux_ids = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else default_aux_ids(len(model.get_decoder().layers))
+    res: dict = {"prompts": a.prompts, "num_prompts": len(convs), "max_new_tokens": a.max_new_tokens,
+                 "batch_size": a.batch_size, "loadavg_start": os.getloadavg()[0], "runs": []}
+    built = {}
+    for name, threads, packed in (("old", 1, False), ("new", a.threads, True)):
+        torch.set_num_threads(threads)
+        with tempfile.TemporaryDirectory() as tmp:
+            with Clock() as c1:
+                turns, d, _ = continuations(target, model, convs, a.max_new_tokens, max(a.k, 8),
+                                            batch_size=a.batch_size, cache=Path(tmp), progress=print)
+            with Clock() as c2:
+                aux, _ = aux_states(model.get_decoder(), turns, aux_ids, d, packed=packed)
+        built[name] = (turns, aux)
+        row = {"name": name, "threads": threads, "packed_aux": packed,
+               "continuations_s": round(c1.wall, 1), "continuations_cpu_s": round(c1.cpu, 1),
+               "aux_s": round(c2.wall, 1), "aux_cpu_s": round(c2.cpu, 1), "total_s": round(c1.wall + c2.wall, 1),
+               "answer_tokens": sum(t.answer_len for t in turns), "loadavg": os.getloadavg()[0]}
+        res["runs"].append(row)
+        print(f"{name}: {threads} thread(s), {'packed' if packed else 'stock'} aux forward: continuations "
+              f"{c1.wall:.1f} s, aux states {c2.wall:.1f} s, total {c1.wall + c2.wall:.1f} s", flush=True)
+    (t0, x0), (t1, x1) = built["old"], built["new"]
+    same = [u.ids == v.ids for u, v in zip(t0, t1)]
+    # relative to the tensor's largest magnitude: SmolLM2's states reach the hundreds, where one bf16 step is 1-2
+    diff = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+               for x, y, s in zip(x0, x1, same) if s) if any(same) else 0.0
+    res.update(speedup=round(res["runs"][0]["total_s"] / res["runs"][1]["total_s"], 2),
+               turns_equal=f"{sum(same)}/{len(same)}", aux_max_rel_diff_equal_turns=diff)
+    print(f"speedup {res['speedup']}x; answers equal in {res['turns_equal']} turns; aux states differ by at most "
+          f"{diff:.3g} of their largest magnitude (bf16) on those", flush=True)
     print(json.dumps(res))
 
 

@@ -279,7 +279,12 @@ class EvalConfig(_Cfg):
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
     )
     threads: int | None = Field(
-        None, ge=1, description="hf: torch CPU threads; empty: torch's default; 1 is fastest on a loaded shared CPU"
+        None, ge=1, description="hf: torch CPU threads for decoding (batch 1, latency-bound); empty: torch's default; "
+        "1 is fastest on a loaded shared CPU",
+    )
+    build_threads: int | None = Field(
+        None, ge=1, description="hf, replay: torch CPU threads while the target's answers and aux states are built and "
+        "replayed (batched, compute-bound); empty: torch's default (all cores)",
     )
 
 

@@ -41,12 +41,13 @@ GPU_TRAIN_FLOPS = 150e12
 # tok/s counting both passes, for SmolLM2-135M; regenerate (hf, batch 8) ~22 tok/s.
 PREPARE_CONV_PER_S = 490
 EVAL_CPU_TOK_PER_S = 15
-# Replay mode (hf, SmolLM2, one thread, measured in CPU seconds so a busy machine does not inflate
-# them): the target's greedy answers to all of MT-Bench at 256 new tokens, batched (batch 64): 35,691
-# decoded tokens in 760 CPU s = ~47 tok/s; their aux states, one forward over prompts + answers:
-# 71,797 tokens in 288 CPU s = ~250 tok/s (prompt and answer tokens are about equal there).
-REPLAY_CPU_DECODE_TOK_PER_S = 47
-REPLAY_CPU_FORWARD_TOK_PER_S = 250
+# Replay mode (hf, SmolLM2, 2 threads, idle machine; `benchmarks/replay.py --compare-build --limit 24`,
+# 2026-12-01): the target's greedy answers to 24 MT-Bench questions, both turns, 256 new tokens, batched,
+# in 66.9 s = ~180 tok/s counted as turns x max_new; their aux states, one forward on packed linears over
+# prompts + answers, in 24.2 s = ~1,000 tok/s counted as 2 x turns x max_new (prompt and answer tokens
+# are about equal there). At one thread on stock linears it took 1.7x as long.
+REPLAY_CPU_DECODE_TOK_PER_S = 180
+REPLAY_CPU_FORWARD_TOK_PER_S = 1000
 # The trainer's replay set is small (the val split: 10 answers x 128 tokens in the demo), so its decoding is
 # step-bound, not batch-bound: 1,280 tokens in 167 s = ~7.7 tok/s.
 REPLAY_SET_CPU_TOK_PER_S = 7.7
@@ -290,7 +291,7 @@ def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, 
 
 
 def replay_seconds(turns: int, new: int) -> float:
-    """Replay's cache for a SmolLM2-sized target at the one-thread rates (an upper bound with more threads):
+    """Replay's cache for a SmolLM2-sized target at the measured 2-thread rates:
     `turns` greedy answers of up to `new` tokens (batched decoding), then one forward over prompts + answers
     (~2 x the answer tokens)."""
     return turns * new / REPLAY_CPU_DECODE_TOK_PER_S + 2 * turns * new / REPLAY_CPU_FORWARD_TOK_PER_S

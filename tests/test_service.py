@@ -50,12 +50,12 @@ def test_preflight_states_wall_time_first_and_refuses_over_budget(smollm2_dir):
     p = plan(demo, max_hours=1.0)
     assert list(p.seconds) == ["prepare", "extract", "verifier", "train", "eval"] and not p.problems
     assert p.markdown().splitlines()[2].startswith("**Estimated wall time ~4")  # the first thing the artifact says
-    # Replay: 48 turns x 256 tokens decoded batched at 47 tok/s, a forward over ~2x that at 250 tok/s, and
-    # 4 questions (8 turns) x 64 tokens decoded live twice (speculative, greedy) at 15 tok/s; live: every
-    # turn decoded twice, one at a time (both scaled alike by the target's size against SmolLM2's).
+    # Replay: 160 turns (all 80 questions) x 256 tokens decoded batched at 180 tok/s, a forward over ~2x that
+    # at 1,000 tok/s, and 4 questions (8 turns) x 64 tokens decoded live twice (speculative, greedy) at
+    # 15 tok/s; live: every turn decoded twice, one at a time (both scaled alike by the target's size).
     live = plan(demo.model_copy(update={"eval": demo.eval.model_copy(update={"mode": "live"})}))
     assert p.seconds["eval"] / live.seconds["eval"] == pytest.approx(
-        (48 * 256 / 47 + 2 * 48 * 256 / 250 + 8 * 64 * 2 / 15) / (48 * 256 * 2 / 15))
+        (160 * 256 / 180 + 2 * 160 * 256 / 1000 + 8 * 64 * 2 / 15) / (160 * 256 * 2 / 15))
     full = PipelineConfig.from_file(EX / "smollm2-sharegpt-full.yaml").model_copy(update={"run_dir": "runs/none-yet"})
     p = plan(full, free_bytes=1 << 50, free_mem=1 << 40, max_hours=1.0)
     (problem,) = p.problems

@@ -30,6 +30,7 @@ It measures no speed and checks no losslessness: `eagle3 eval --mode live` does 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -131,8 +132,11 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress)
 
 # ---------------------------------------------------------------- step 2: aux states
 def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[int], d: Path,
-               batch_tokens: int = 8192) -> tuple[list[torch.Tensor], float]:
-    """aux [T, 3, H] (bf16) of every turn's sequence, from one target forward each (cached in `d` per aux ids)."""
+               batch_tokens: int = 8192, packed: bool = True) -> tuple[list[torch.Tensor], float]:
+    """aux [T, 3, H] (bf16) of every turn's sequence, from one target forward each (cached in `d` per aux ids).
+
+    packed: on CPU, the forward's linear layers run on oneDNN-prepacked weights, always that kernel (as
+    extraction does; `benchmarks/replay.py --compare-build` measures the gain). False: torch's stock ones."""
     from safetensors.torch import load_file
 
     path = aux_path(d, aux_ids)
@@ -140,18 +144,21 @@ def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[i
         if path.is_file():
             t = load_file(str(path))
             return [t[str(i)] for i in range(len(turns))], 0.0
-        return _aux_states(base, turns, aux_ids, path, batch_tokens)
+        return _aux_states(base, turns, aux_ids, path, batch_tokens, packed)
 
 
-def _aux_states(base, turns, aux_ids, path, batch_tokens) -> tuple[list[torch.Tensor], float]:
+def _aux_states(base, turns, aux_ids, path, batch_tokens, packed) -> tuple[list[torch.Tensor], float]:
     from safetensors.torch import save_file
 
     from eagle3.capture import hidden_states
+    from eagle3.cpu_linear import packed_linears
 
     t0 = time.perf_counter()
     out: dict[str, torch.Tensor] = {}
-    for i, h in hidden_states(base, [torch.tensor(t.ids) for t in turns], aux_ids, batch_tokens):
-        out[str(i)] = h.to(torch.bfloat16).contiguous()  # [T, 3, H]
+    # timed=False: one kernel for every row count, so a rebuilt cache is bitwise the same
+    with packed_linears(base, timed=False) if packed else contextlib.nullcontext():
+        for i, h in hidden_states(base, [torch.tensor(t.ids) for t in turns], aux_ids, batch_tokens):
+            out[str(i)] = h.to(torch.bfloat16).contiguous()  # [T, 3, H]
     with atomic_path(path) as tmp:
         save_file(out, str(tmp))
     return [out[str(i)] for i in range(len(turns))], time.perf_counter() - t0

@@ -12,9 +12,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,11 @@ def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg:
     """Measure a draft head as `cfg` says; write report.json, acceptance.png, samples.jsonl, manifest.json.
 
     A finished `out` with the same inputs and config is returned as is. `cfg.threads` sets torch's CPU
-    threads: decoding at batch size 1 is latency-bound, and on a shared, loaded CPU OpenMP threads spin
-    against other processes (SmolLM2 here: one MT-Bench prompt took ~35 s at 1 thread, ~4 min at 2).
+    threads for decoding: at batch size 1 it is latency-bound, and on a shared, loaded CPU OpenMP threads
+    spin against other processes (SmolLM2 here: one MT-Bench prompt took ~35 s at 1 thread, ~4 min at 2).
+    Replay's batched work (the target's answers, its aux states, the draft's pass) is compute-bound and
+    runs at `cfg.build_threads` (default: torch's, all cores): the demo's 24-question cache built 1.7x
+    faster at 2 threads on packed linears than at 1 on stock ones (`benchmarks/replay.py --compare-build`).
     """
     fp = inputs(model_dir, draft_dir, cfg, trust_remote_code)
     if EvalReport.exists(out):
@@ -67,6 +71,7 @@ def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg:
         from eagle3.eval.vllm import evaluate_vllm
 
         return evaluate_vllm(model_dir, draft_dir, out, cfg, fp, trust_remote_code=trust_remote_code)
+    build_threads = cfg.build_threads or torch.get_num_threads()  # read before `threads` changes it
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     retain_freed_memory()
@@ -77,8 +82,9 @@ def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg:
     draft = cast_draft(draft, p.device, p.dtype)
     t0 = time.perf_counter()
     if cfg.mode == "replay":
-        report = replay_report(Target.open(model_dir, trust_remote_code), model, draft, convs, cfg.k,
-                               cfg.max_new_tokens, eos, cfg.replay_cache)
+        with num_threads(build_threads):
+            report = replay_report(Target.open(model_dir, trust_remote_code), model, draft, convs, cfg.k,
+                                   cfg.max_new_tokens, eos, cfg.replay_cache)
         if cfg.live_check:  # a few prompts decoded for real: lossless and speed, next to the exact tau of all
             live = measure(model, tok, DraftProposer(draft), draft.config.aux_layer_ids, convs[: cfg.live_check],
                            cfg.k, cfg.live_max_new_tokens or cfg.max_new_tokens, eos, progress=progress)
@@ -108,6 +114,17 @@ def replay_report(target: Target, model: torch.nn.Module, draft: Eagle3Draft, co
     log.info("replay: cache %s (continuations %.1f s, aux states %.1f s; 0 = cached), replay %.1f s", d, gen_s, aux_s,
              time.perf_counter() - t1)
     return report
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """torch's CPU thread count set to `n` inside the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def with_live_check(replay: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
