@@ -36,7 +36,9 @@ sys.path.insert(0, str(REPO))
 BASE = {"ttt_steps": 3, "step_decay": 0.8, "epochs": 1, "pack_tokens": 2048, "lr": 1e-3, "warmup_steps": 10,
         "val_every": 50, "ckpt_every": 50, "loss": "kl", "norm_before_fc": False}
 
-# name -> (train overrides, extra: {"vocab": N} | {"data": "onpolicy"} | {}, eval k list)
+# name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy"} | {}, eval k list).
+# "demo-*" levers change one thing of the demo preset (3 epochs, lr 3e-3) and are also paired against the
+# demo's own head, scored as lever "demo" (`--score demo=runs/demo/train`).
 LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "baseline": ({}, {}, [3, 5]),
     "ttt5": ({"ttt_steps": 5}, {}, [3, 5]),
@@ -55,6 +57,11 @@ LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     # the demo preset (3 epochs, lr 3e-3) on 1,024-token packs: the pack1024 win, checked at full demo length
     # (validation every 100 steps: the same count as the preset's 50 at 2,048-token packs)
     "demo-pack1024": ({"epochs": 3, "lr": 3e-3, "pack_tokens": 1024, "val_every": 100, "ckpt_every": 100}, {}, [3]),
+    # norm_before_fc at full demo length (its one-epoch gap, +0.007, was within noise)
+    "demo-nbf": ({"epochs": 3, "lr": 3e-3, "norm_before_fc": True}, {}, [3]),
+    # fresh data instead of a third pass: 600 conversations (their own prepare and extraction) for 2 epochs,
+    # about the demo's training tokens (2 x 1.5 = 3 passes) for 1.5x its extraction
+    "demo-600x2": ({"epochs": 2, "lr": 3e-3}, {"limit": 600}, [3]),
     "vocab16k": ({}, {"vocab": 16384}, [3]),
     "vocab32k": ({}, {"vocab": 32000}, [3]),
     "onpolicy": ({}, {"data": "onpolicy"}, [3]),
@@ -127,6 +134,9 @@ def score(a, root: Path, name: str, draft: Path, ks: list[int], row: dict) -> di
         base_eval = root / "baseline" / f"eval-k{k}"
         if name != "baseline" and (base_eval / "samples.jsonl").is_file():
             row[f"delta_k{k}"] = [round(x, 4) for x in paired_delta(base_eval, out)]
+        demo_eval = root / "demo" / f"eval-k{k}"
+        if name.startswith("demo-") and (demo_eval / "samples.jsonl").is_file():
+            row[f"vs_demo_k{k}"] = [round(x, 4) for x in paired_delta(demo_eval, out)]
     with open(root / "results.jsonl", "a") as f:
         f.write(json.dumps({**row, "at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
     print(json.dumps(row), flush=True)
@@ -153,9 +163,13 @@ def table(root: Path) -> None:
         setting = {**r["train"], **LEVERS.get(name, ({}, {}, []))[1]}
         cpu = f"{r['train_cpu_s']:.0f} ({r['train_wall_s']:.0f})" if r.get("train_cpu_s") else ""
         k5 = ci(r["tau_k5"], r["ci_k5"]) + (f" ({dl(r['delta_k5'])})" if "delta_k5" in r else "") if "tau_k5" in r else ""
+        mine, theirs = root / name / "eval-k3", root / "demo" / "eval-k3"
+        if name.startswith("demo-") and (mine / "samples.jsonl").is_file() and (theirs / "samples.jsonl").is_file():
+            r["vs_demo_k3"] = paired_delta(theirs, mine)
         pp = " / ".join(f"{x:.3f}" for x in r["per_position_k3"])
+        vs = "; ".join([dl(r["delta_k3"])] * ("delta_k3" in r) + [f"vs demo {dl(r['vs_demo_k3'])}"] * ("vs_demo_k3" in r))
         print(f"| {name} | {json.dumps(setting)} | {r['steps']} | {cpu} | {ci(r['tau_k3'], r['ci_k3'])} "
-              f"| {dl(r['delta_k3']) if 'delta_k3' in r else ''} | {k5} | {pp} |")
+              f"| {vs} | {k5} | {pp} |")
 
 
 def eagle3(*args: str) -> list[str]:
@@ -220,6 +234,19 @@ def main() -> None:
                            "--seed", str(src["seed"]), "--draft-vocab", str(n), "--out", str(prepare)), log, a.threads)
                 run(eagle3("verifier", "--model", a.model, "--prepared", str(prepare), "--out", str(verifier)),
                     log, a.threads)
+        if "limit" in extra:  # more (or fewer) conversations: their own prepare, extraction and verifier
+            prepare, extract, verifier = d / "prepare", d / "extract", d / "verifier"
+            src = json.loads((Path(a.prepare) / "manifest.json").read_text())["config"]
+            if not (verifier / "manifest.json").is_file():
+                w0 = time.perf_counter()
+                run(eagle3("prepare", "--model", a.model, "--data", src["data"], "--limit", str(extra["limit"]),
+                           "--max-len", str(src["max_len"]), "--val-fraction", str(src["val_fraction"]),
+                           "--seed", str(src["seed"]), "--draft-vocab", str(src["draft_vocab"]), "--out", str(prepare)),
+                    log, a.threads)
+                run(eagle3("extract", "--model", a.model, "--prepared", str(prepare), "--out", str(extract)), log, a.threads)
+                run(eagle3("verifier", "--model", a.model, "--prepared", str(prepare), "--out", str(verifier)),
+                    log, a.threads)
+                (d / "data_timing.json").write_text(json.dumps({"data_wall_s": round(time.perf_counter() - w0, 1)}))
         if extra.get("data") == "onpolicy":
             if not a.regen_extract:
                 print(f"{name}: skipped (no --regen-extract)", flush=True)
@@ -238,6 +265,8 @@ def main() -> None:
                              "--replay", replay], log, a.threads)
             timing.write_text(json.dumps({"train_wall_s": round(wall, 1), "train_cpu_s": round(cpu, 1)}))
         t = json.loads(timing.read_text())
+        if (d / "data_timing.json").is_file():  # a lever with its own extraction: its wall time counts too
+            t.update(json.loads((d / "data_timing.json").read_text()))
         man = json.loads((d / "train" / "manifest.json").read_text())
         row = {"lever": name, "train": {k: v for k, v in cfg.items() if k in over or k in ("epochs",)},
                "steps": man["steps"], "best_step": man["best_step"], "best_metric": man.get("best_metric"),

@@ -170,6 +170,48 @@ def test_eval_cli_replay_mode(setup, head, tiny_llama_dir, tmp_path):
     assert e.value.code == 2
 
 
+def test_aux_states_on_packed_linears_equal_stock_to_rounding_and_rebuild_bitwise(setup, tmp_path):
+    t, model, draft, convs, cache = setup
+    turns, _, _ = continuations(t, model, convs, MAX_NEW, tail=8, cache=cache, batch_size=4)
+    base = model.get_decoder()
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    stock, _ = aux_states(base, turns, AUX, tmp_path / "a", packed=False)
+    packed, _ = aux_states(base, turns, AUX, tmp_path / "b", packed=True)
+    again, _ = aux_states(base, turns, AUX, tmp_path / "c", packed=True)
+    assert all(torch.equal(x, y) for x, y in zip(packed, again))  # one kernel (timed=False): reruns bitwise equal
+    for x, y in zip(stock, packed):  # bf16 states: at most about one rounding step apart
+        torch.testing.assert_close(y.float(), x.float(), rtol=2 ** -7, atol=2 ** -7 * x.float().abs().max().item())
+    assert type(base.layers[0].mlp.up_proj) is torch.nn.Linear  # the swap is undone
+
+
+def test_eval_replay_builds_on_build_threads_and_decodes_live_on_threads(setup, head, tiny_llama_dir, tmp_path,
+                                                                          monkeypatch):
+    import eagle3.eval.run as run
+    from eagle3.cli import main
+
+    seen: dict[str, int] = {}
+    real_report, real_measure = run.replay_report, run.measure
+
+    def report(*a, **kw):
+        seen["build"] = torch.get_num_threads()
+        return real_report(*a, **kw)
+
+    def measure(*a, **kw):
+        seen["live"] = torch.get_num_threads()
+        return real_measure(*a, **kw)
+
+    monkeypatch.setattr(run, "replay_report", report)
+    monkeypatch.setattr(run, "measure", measure)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["What is 2+2?"]}) + "\n")
+    before = torch.get_num_threads()
+    assert main(["eval", "--model", str(tiny_llama_dir), "--draft", str(head), "--prompts", str(prompts),
+                 "--max-new-tokens", "8", "--mode", "replay", "--live-check", "1", "--threads", "1",
+                 "--build-threads", "2", "--replay-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "r")]) == 0
+    assert seen == {"build": 2, "live": 1}
+    torch.set_num_threads(before)
+
+
 def test_load_prompts_mtbench_has_80_two_turn_questions():
     convs, _ = load_prompts("mt-bench")
     assert len(convs) == 80 and all(c.turns == 2 for c in convs)
