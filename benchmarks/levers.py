@@ -45,6 +45,7 @@ LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "ttt7": ({"ttt_steps": 7}, {}, [3, 5]),
     "decay1": ({"step_decay": 1.0}, {}, [3, 5]),
     "ttt5-decay1": ({"ttt_steps": 5, "step_decay": 1.0}, {}, [3, 5]),
+    "ttt7-decay1": ({"ttt_steps": 7, "step_decay": 1.0}, {}, [3, 5]),
     "lk": ({"loss": "lk"}, {}, [3]),
     "topk": ({"loss": "topk"}, {}, [3]),
     "norm_before_fc": ({"norm_before_fc": True}, {}, [3]),

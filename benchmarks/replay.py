@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,11 @@ from eagle3.eval.replay import aux_states, continuations, replay  # noqa: E402
 from eagle3.eval.run import cast_draft  # noqa: E402
 from eagle3.formats import load_draft  # noqa: E402
 from eagle3.target import Target, default_aux_ids  # noqa: E402
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
 class Clock:
@@ -103,15 +109,19 @@ def main() -> None:
     res["continuations"] = {"cached": gen_s == 0.0, "seconds": round(c.wall, 1), "cpu_seconds": round(c.cpu, 1),
                             "turns": len(turns), "answer_tokens": answer,
                             "decoded_tokens": sum(len(t.ids) - t.prompt_len for t in turns),
-                            "prompt_tokens": sum(t.prompt_len for t in turns), "cache": str(d)}
+                            "prompt_tokens": sum(t.prompt_len for t in turns), "cache": str(d),
+                            "peak_rss_gib": peak_rss_gib()}
     print(f"continuations: {len(turns)} turns, {answer} answer tokens, "
-          f"{'cached' if gen_s == 0.0 else f'built in {c.wall:.1f} s ({c.cpu:.1f} CPU s)'}", flush=True)
+          f"{'cached' if gen_s == 0.0 else f'built in {c.wall:.1f} s ({c.cpu:.1f} CPU s)'}; peak RSS "
+          f"{res['continuations']['peak_rss_gib']} GiB", flush=True)
     with Clock() as c:
         aux, aux_s = aux_states(model.get_decoder(), turns, aux_ids, d)
     res["aux_states"] = {"cached": aux_s == 0.0, "seconds": round(c.wall, 1), "cpu_seconds": round(c.cpu, 1),
-                         "tokens": sum(len(t.ids) for t in turns), "bytes": sum(x.numel() * 2 for x in aux)}
+                         "tokens": sum(len(t.ids) for t in turns), "bytes": sum(x.numel() * 2 for x in aux),
+                         "peak_rss_gib": peak_rss_gib()}
     print(f"aux states {aux_ids}: {res['aux_states']['tokens']} tokens, "
-          f"{'cached' if aux_s == 0.0 else f'built in {c.wall:.1f} s ({c.cpu:.1f} CPU s)'}", flush=True)
+          f"{'cached' if aux_s == 0.0 else f'built in {c.wall:.1f} s ({c.cpu:.1f} CPU s)'}; peak RSS "
+          f"{res['aux_states']['peak_rss_gib']} GiB", flush=True)
     if draft is None:
         print(json.dumps(res))
         return
