@@ -168,7 +168,8 @@ def table(root: Path) -> None:
         if name.startswith("demo-") and (mine / "samples.jsonl").is_file() and (theirs / "samples.jsonl").is_file():
             r["vs_demo_k3"] = paired_delta(theirs, mine)
         pp = " / ".join(f"{x:.3f}" for x in r["per_position_k3"])
-        vs = "; ".join([dl(r["delta_k3"])] * ("delta_k3" in r) + [f"vs demo {dl(r['vs_demo_k3'])}"] * ("vs_demo_k3" in r))
+        vs = "; ".join(([dl(r["delta_k3"])] if "delta_k3" in r else [])
+                       + ([f"vs demo {dl(r['vs_demo_k3'])}"] if "vs_demo_k3" in r else []))
         print(f"| {name} | {json.dumps(setting)} | {r['steps']} | {cpu} | {ci(r['tau_k3'], r['ci_k3'])} "
               f"| {vs} | {k5} | {pp} |")
 
