@@ -132,16 +132,25 @@ def score(a, root: Path, name: str, draft: Path, ks: list[int], row: dict) -> di
         row[f"tau_k{k}"] = round(r["acceptance_length"], 4)
         row[f"ci_k{k}"] = [round(x, 4) for x in r["acceptance_length_ci"]]
         row[f"per_position_k{k}"] = [round(x, 4) for x in r["per_position_acceptance"]]
-        base_eval = root / "baseline" / f"eval-k{k}"
-        if name != "baseline" and (base_eval / "samples.jsonl").is_file():
-            row[f"delta_k{k}"] = [round(x, 4) for x in paired_delta(base_eval, out)]
-        demo_eval = root / "demo" / f"eval-k{k}"
-        if name.startswith("demo-") and (demo_eval / "samples.jsonl").is_file():
-            row[f"vs_demo_k{k}"] = [round(x, 4) for x in paired_delta(demo_eval, out)]
+        row.update({key: [round(x, 4) for x in v] for key, v in paired_deltas(root, name, k).items()})
     with open(root / "results.jsonl", "a") as f:
         f.write(json.dumps({**row, "at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
     print(json.dumps(row), flush=True)
     return row
+
+
+def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float, float]]:
+    """The paired deltas of lever `name` at k, from the per-prompt rounds on disk: against the baseline
+    ("delta_k{k}", every lever) and against the demo head ("vs_demo_k{k}", the "demo-*" levers)."""
+    mine, out = root / name / f"eval-k{k}", {}
+    refs = {f"delta_k{k}": "baseline"} if name != "baseline" else {}
+    if name.startswith("demo-"):
+        refs[f"vs_demo_k{k}"] = "demo"
+    for key, ref in refs.items():
+        theirs = root / ref / f"eval-k{k}"
+        if (mine / "samples.jsonl").is_file() and (theirs / "samples.jsonl").is_file():
+            out[key] = paired_delta(theirs, mine)
+    return out
 
 
 def table(root: Path) -> None:
@@ -157,16 +166,11 @@ def table(root: Path) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name in sorted(rows, key=lambda n: (n != "baseline", rows[n].get("at", ""))):
         r = rows[name]
-        for k in (3, 5):  # paired to the baseline's eval at the same k, from the per-prompt rounds on disk
-            mine, theirs = root / name / f"eval-k{k}", root / "baseline" / f"eval-k{k}"
-            if name != "baseline" and (mine / "samples.jsonl").is_file() and (theirs / "samples.jsonl").is_file():
-                r[f"delta_k{k}"] = paired_delta(theirs, mine)
+        for k in (3, 5):
+            r.update(paired_deltas(root, name, k))
         setting = {**r["train"], **LEVERS.get(name, ({}, {}, []))[1]}
         cpu = f"{r['train_cpu_s']:.0f} ({r['train_wall_s']:.0f})" if r.get("train_cpu_s") else ""
         k5 = ci(r["tau_k5"], r["ci_k5"]) + (f" ({dl(r['delta_k5'])})" if "delta_k5" in r else "") if "tau_k5" in r else ""
-        mine, theirs = root / name / "eval-k3", root / "demo" / "eval-k3"
-        if name.startswith("demo-") and (mine / "samples.jsonl").is_file() and (theirs / "samples.jsonl").is_file():
-            r["vs_demo_k3"] = paired_delta(theirs, mine)
         pp = " / ".join(f"{x:.3f}" for x in r["per_position_k3"])
         vs = "; ".join(([dl(r["delta_k3"])] if "delta_k3" in r else [])
                        + ([f"vs demo {dl(r['vs_demo_k3'])}"] if "vs_demo_k3" in r else []))
@@ -226,29 +230,26 @@ def main() -> None:
         d.mkdir(exist_ok=True)
         log = d / "log.txt"
         prepare, extract, verifier = Path(a.prepare), Path(a.extract), Path(a.verifier)
-        if "vocab" in extra:  # a new vocab map over the same samples; the hidden states do not change
-            n = extra["vocab"]
+        if "vocab" in extra or "limit" in extra:
+            # its own prepare: a new vocab map over the same samples (the hidden states do not change), or more
+            # (or fewer) conversations, which need their own extraction too
+            src = json.loads((Path(a.prepare) / "manifest.json").read_text())["config"]
             prepare, verifier = d / "prepare", d / "verifier"
-            src = json.loads((Path(a.prepare) / "manifest.json").read_text())["config"]
-            if not (verifier / "manifest.json").is_file():
-                run(eagle3("prepare", "--model", a.model, "--data", src["data"], "--limit", str(src["limit"]),
-                           "--max-len", str(src["max_len"]), "--val-fraction", str(src["val_fraction"]),
-                           "--seed", str(src["seed"]), "--draft-vocab", str(n), "--out", str(prepare)), log, a.threads)
-                run(eagle3("verifier", "--model", a.model, "--prepared", str(prepare), "--out", str(verifier)),
-                    log, a.threads)
-        if "limit" in extra:  # more (or fewer) conversations: their own prepare, extraction and verifier
-            prepare, extract, verifier = d / "prepare", d / "extract", d / "verifier"
-            src = json.loads((Path(a.prepare) / "manifest.json").read_text())["config"]
+            extract = d / "extract" if "limit" in extra else extract
             if not (verifier / "manifest.json").is_file():
                 w0 = time.perf_counter()
-                run(eagle3("prepare", "--model", a.model, "--data", src["data"], "--limit", str(extra["limit"]),
-                           "--max-len", str(src["max_len"]), "--val-fraction", str(src["val_fraction"]),
-                           "--seed", str(src["seed"]), "--draft-vocab", str(src["draft_vocab"]), "--out", str(prepare)),
+                run(eagle3("prepare", "--model", a.model, "--data", src["data"],
+                           "--limit", str(extra.get("limit", src["limit"])), "--max-len", str(src["max_len"]),
+                           "--val-fraction", str(src["val_fraction"]), "--seed", str(src["seed"]),
+                           "--draft-vocab", str(extra.get("vocab", src["draft_vocab"])), "--out", str(prepare)),
                     log, a.threads)
-                run(eagle3("extract", "--model", a.model, "--prepared", str(prepare), "--out", str(extract)), log, a.threads)
+                if "limit" in extra:
+                    run(eagle3("extract", "--model", a.model, "--prepared", str(prepare), "--out", str(extract)),
+                        log, a.threads)
                 run(eagle3("verifier", "--model", a.model, "--prepared", str(prepare), "--out", str(verifier)),
                     log, a.threads)
-                (d / "data_timing.json").write_text(json.dumps({"data_wall_s": round(time.perf_counter() - w0, 1)}))
+                if "limit" in extra:  # the data's wall time counts for this lever (an extraction of its own)
+                    (d / "data_timing.json").write_text(json.dumps({"data_wall_s": round(time.perf_counter() - w0, 1)}))
         if extra.get("data") == "onpolicy":
             if not a.regen_extract:
                 print(f"{name}: skipped (no --regen-extract)", flush=True)
