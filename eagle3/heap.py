@@ -15,6 +15,8 @@ elsewhere (macOS, musl) nothing is changed. Process-wide and idempotent: each CP
 calls `retain_freed_memory()` as it starts. `EAGLE3_HEAP=release` keeps glibc's defaults and has
 `release()` hand the freed heap back at each training step (a host short of RAM, where returning
 memory matters more than speed; this was the trainer's behaviour before).
+
+`PeakRSS` measures a block's peak resident memory (the pipeline logs it per stage).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import ctypes.util
 import functools
 import logging
 import os
+import resource
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +94,56 @@ def release() -> None:
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+class PeakRSS:
+    """Peak resident memory of a block of code, in bytes: this process's (`own`) and its children's.
+
+    `own`: Linux lets a process reset its high-water mark (writing 5 to /proc/self/clear_refs sets
+    VmHWM to the current RSS), so stages run one after another in one process each get their own
+    peak. Where that is refused (not Linux, or no /proc) `own` is the process's lifetime peak and
+    `own_reset` is False. `children`: the largest resident set of any child process that ended inside
+    the block (torchrun's workers, a replay-set subprocess), from RUSAGE_CHILDREN, which only ever
+    grows: None when no child inside the block beat an earlier child's peak."""
+
+    def __enter__(self) -> "PeakRSS":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.own_reset = True
+        except OSError:
+            self.own_reset = False
+        self._children0 = _maxrss(resource.RUSAGE_CHILDREN)
+        self.own: int = 0
+        self.children: int | None = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.own = _vm_hwm() if self.own_reset else None
+        if self.own is None:
+            self.own = _maxrss(resource.RUSAGE_SELF)
+        c = _maxrss(resource.RUSAGE_CHILDREN)
+        self.children = c if c > self._children0 else None
+
+    def line(self) -> str:
+        """'peak RSS 6.95 GiB (subprocesses 2.10 GiB)', for a stage's log line."""
+        s = f"peak RSS {self.own / 2**30:.2f} GiB" + ("" if self.own_reset else " (process lifetime)")
+        return s + (f" (subprocesses {self.children / 2**30:.2f} GiB)" if self.children else "")
+
+
+def _maxrss(who: int) -> int:
+    """ru_maxrss in bytes (Linux reports KiB, macOS bytes)."""
+    r = resource.getrusage(who).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def _vm_hwm() -> int | None:
+    """VmHWM of this process from /proc/self/status, in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

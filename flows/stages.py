@@ -30,6 +30,7 @@ import tasks.train as train_stage
 import tasks.verifier as verifier_stage
 from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, TrainConfig
+from eagle3.heap import PeakRSS
 from eagle3.preflight import hms
 from tasks.train import UserInputError
 
@@ -68,12 +69,15 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
         params = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}
         hop_task(name)(name, deployment, {**params, "out": out}, wait_for=wait_for)
         m, how = stage.manifest.read(out), "done"  # the stage dir is on storage both pools share
+        mem = ""  # the stage ran in the deployment's process
     else:
         log.info("%s: started, output %s", name, out)
-        state = fresh(stage.task, stage.manifest, out)(out=out, wait_for=wait_for, return_state=True, **inputs)
+        with PeakRSS() as peak:  # stages run one at a time here: each gets its own peak
+            state = fresh(stage.task, stage.manifest, out)(out=out, wait_for=wait_for, return_state=True, **inputs)
         m, how = state.result(), "cached (inputs unchanged)" if state.name == "Cached" else "done"
+        mem = f", {peak.line()}"
     stage.publish(m, out)
-    log.info("%s: %s in %s: %s", name, how, hms(time.monotonic() - t0), stage.headline(m))
+    log.info("%s: %s in %s%s: %s", name, how, hms(time.monotonic() - t0), mem, stage.headline(m))
     return m
 
 

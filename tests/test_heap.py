@@ -56,3 +56,42 @@ def test_retained_blocks_are_reused_without_page_faults():
     assert released["faults"] >= 5 * pages * 0.9, released
     # retain: the freed blocks serve the next steps (measured: 0 in most runs, one block's pages in some)
     assert kept["faults"] < pages, kept
+
+
+PEAK = """
+import json, subprocess, sys, torch
+from eagle3.heap import PeakRSS
+MiB = 2**20
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) * 1024
+def touch(mb):  # mb MiB made resident, then freed (a block this big is mmapped: its pages go back)
+    x = torch.empty(mb << 18)
+    x.fill_(1.0)
+    del x
+child = "import torch; x = torch.empty({} << 18); x.fill_(1.0)"
+base = rss()
+with PeakRSS() as a:
+    touch(800)
+with PeakRSS() as b:
+    touch(200)
+with PeakRSS() as c:
+    subprocess.run([sys.executable, "-c", child.format(600)], check=True)
+with PeakRSS() as d:
+    subprocess.run([sys.executable, "-c", child.format(100)], check=True)
+print(json.dumps({"base": base, "a": a.own, "b": b.own, "reset": [a.own_reset, b.own_reset],
+                  "c": c.children, "d": d.children, "c_own": c.own, "line": c.line()}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the peak reset needs Linux /proc")
+def test_peak_rss_is_per_block_and_counts_children():
+    """Each block reports its own peak, not the process's earlier one; children's peaks when they beat earlier ones."""
+    out = subprocess.run([sys.executable, "-c", PEAK], cwd=REPO, capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = 2**20
+    assert r["reset"] == [True, True]
+    assert r["a"] >= r["base"] + 790 * mib
+    assert r["base"] + 190 * mib <= r["b"] < r["base"] + 400 * mib  # 800 MiB block before it: not counted
+    assert r["c"] >= 600 * mib and r["d"] is None  # the 100 MiB child stayed below the 600 MiB one
+    assert r["c_own"] < r["a"]  # the parent only waited
+    assert r["line"].startswith("peak RSS ") and "subprocesses" in r["line"]
