@@ -45,7 +45,7 @@ def main() -> None:
     for rows in map(int, a.rows.split(",")):
         xs = {n: torch.randn(rows, n) for n in {m.in_features for m in lins}}
         for p in packed:
-            p.gemv_rows = frozenset({rows})
+            p.kernel_for = {rows: "gemv"}
         kernels = {
             "stock": lambda: [m(xs[m.in_features]) for m in lins],
             "gemv": lambda: [p(xs[p.linear.in_features]) for p in packed],

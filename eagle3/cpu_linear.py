@@ -17,10 +17,13 @@ does the same: its unquantized-GEMM dispatch (`vllm/model_executor/layers/utils.
 linear weight into a oneDNN matmul handler.
 
 `packed_linears(*modules)` replaces every `nn.Linear` inside them, for the duration of a `with`
-block, by a `PackedLinear` holding its weight prepacked in oneDNN's blocked layout. For 1 and 2 rows
-the faster of that and a plain GEMV on a transposed copy (`x @ W^T` contiguous; on this CPU within
-1% of packed at 1 row and 1 thread, 1.3x slower at 2 threads) is timed on the module's own layers
-at entry, so the plain greedy baseline runs on its fastest kernel too. Results equal `F.linear` to
+block, by a `PackedLinear` holding its weight prepacked in oneDNN's blocked layout. Which kernel is
+fastest for a few rows depends on the CPU, so for each row count in `rows` (default 1-4: a step and
+the verify passes of k <= 3) three are timed on the module's own layers at entry: oneDNN, a plain
+GEMV on a transposed copy (`x @ W^T` contiguous) and torch's stock F.linear. On the AMD host above
+oneDNN or GEMV won every count; on a 2-core Intel Xeon (Sapphire Rapids class, 1 thread) GEMV won
+1 row (39.1 ms), stock 2 and 3 rows (44.6 / 48.5 ms against oneDNN's 51.1 / 54.6) and oneDNN 4 rows
+(53.9 ms). The plain greedy baseline runs on its fastest kernel too. Results equal `F.linear` to
 fp32 rounding (~2e-6 here), not bitwise: a greedy argmax near-tie may flip, as between any two kernels.
 
 Inference only (no autograd through the packed copy), fp32 on CPU; anything else is left as is.
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -44,8 +47,12 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+KERNELS = ("onednn", "gemv", "stock")
+
+
 class PackedLinear(nn.Module):
-    """An nn.Linear's forward on a oneDNN-prepacked copy of its weight; GEMV for the row counts in `gemv_rows`."""
+    """An nn.Linear's forward on a oneDNN-prepacked copy of its weight, or for the row counts in
+    `kernel_for` ({rows: "gemv" or "stock"}) on a GEMV or the stock F.linear."""
 
     def __init__(self, lin: nn.Linear, gemv: bool = True):
         super().__init__()
@@ -55,7 +62,7 @@ class PackedLinear(nn.Module):
         # [in, out]: the GEMV reads it in rows, one pass; only built when the GEMV may be chosen
         self.wt: torch.Tensor | None = w.t().contiguous() if gemv else None
         self.bias = None if lin.bias is None else lin.bias.detach()
-        self.gemv_rows: frozenset[int] = frozenset()
+        self.kernel_for: dict[int, str] = {}
 
     @property
     def weight(self) -> torch.Tensor:
@@ -63,9 +70,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows in self.gemv_rows:
+        kernel = self.kernel_for.get(rows, "onednn")
+        if kernel == "gemv":
             y = x @ self.wt
             return y if self.bias is None else y + self.bias
+        if kernel == "stock":
+            return self.linear(x)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -80,12 +90,11 @@ def _time_kernels(layers: list[PackedLinear], rows: int, rounds: int = 7) -> dic
     The kernels alternate pass by pass and the minimum counts: load from other processes only
     ever adds time, so the minimum is the kernel's own cost, and alternation exposes both alike."""
     xs = {n: torch.randn(rows, n) for n in {p.linear.in_features for p in layers}}
-    kernels = {"onednn": frozenset(), "gemv": frozenset({rows})}
-    best = dict.fromkeys(kernels, float("inf"))
+    best = dict.fromkeys(KERNELS, float("inf"))
     for i in range(rounds + 1):  # round 0 warms caches and oneDNN's primitive cache
-        for name, gemv in kernels.items():
+        for name in KERNELS:
             for p in layers:
-                p.gemv_rows = gemv
+                p.kernel_for = {rows: name}
             t = time.perf_counter()
             for p in layers:
                 p(xs[p.linear.in_features])
@@ -95,14 +104,17 @@ def _time_kernels(layers: list[PackedLinear], rows: int, rounds: int = 7) -> dic
 
 
 @contextlib.contextmanager
-def packed_linears(*modules: nn.Module, timed: bool = True) -> Iterator[dict[str, str]]:
+def packed_linears(*modules: nn.Module, timed: bool = True, rows: Iterable[int] = (1, 2, 3, 4)
+                   ) -> Iterator[dict[str, str]]:
     """Swap every fp32 CPU nn.Linear under `modules` for a PackedLinear inside the block; restore on exit.
 
-    Yields the kernel chosen per row count ({"1": "gemv" or "onednn", "2": ..., "3+": "onednn"}), for
-    the report; empty when nothing was swapped (no oneDNN, or no fp32 CPU linears). `timed=False`
-    skips the 1- and 2-row timing and uses oneDNN for every row count: for many-row work (extraction),
-    where a choice made by a clock would make reruns differ in their last bits.
+    Yields the kernel chosen per row count ({"1": "gemv", "2": "stock", ..., "5+": "onednn"}), for the
+    report; empty when nothing was swapped (no oneDNN, or no fp32 CPU linears). `rows`: the row counts
+    to time (a caller verifying k+1 rows passes 1..k+1); any other count runs on oneDNN. `timed=False`
+    times nothing and uses oneDNN for every row count: for many-row work (extraction), where a choice
+    made by a clock would make reruns differ in their last bits.
     """
+    rows = sorted(set(rows)) if timed else []
     swaps: list[tuple[nn.Module, str, nn.Linear, PackedLinear]] = []
     if available():
         with torch.inference_mode():
@@ -110,21 +122,21 @@ def packed_linears(*modules: nn.Module, timed: bool = True) -> Iterator[dict[str
                 for parent in list(mod.modules()):
                     for name, child in list(parent.named_children()):
                         if _swappable(child):
-                            swaps.append((parent, name, child, PackedLinear(child, gemv=timed)))
+                            swaps.append((parent, name, child, PackedLinear(child, gemv=bool(rows))))
     choice: dict[str, str] = {}
     try:
         if swaps:
             layers = [p for *_, p in swaps]
             with torch.inference_mode():
-                for rows in (1, 2):
-                    t = _time_kernels(layers, rows) if timed else {}
-                    choice[str(rows)] = min(t, key=t.get) if t else "onednn"
-            gemv = frozenset(r for r in (1, 2) if choice[str(r)] == "gemv")
+                for r in rows:
+                    t = _time_kernels(layers, r)
+                    choice[str(r)] = min(t, key=t.get)
+            kernel_for = {int(r): k for r, k in choice.items() if k != "onednn"}
             for p in layers:
-                p.gemv_rows = gemv
-                if not gemv:
+                p.kernel_for = kernel_for
+                if "gemv" not in kernel_for.values():
                     p.wt = None  # the transposed copy only served the timing: free its memory (a second weight)
-            choice["3+"] = "onednn"
+            choice[f"{rows[-1] + 1}+" if rows else "1+"] = "onednn"
             for parent, name, _, packed in swaps:
                 setattr(parent, name, packed)
         yield choice

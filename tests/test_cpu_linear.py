@@ -14,14 +14,14 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 48), (1, 2, 48), (1, 4, 48), (3, 7, 48), (48,), (400, 48)])
-@pytest.mark.parametrize("gemv", [False, True])
-def test_packed_equals_nn_linear(shape, bias, gemv):
+@pytest.mark.parametrize("kernel", ["onednn", "gemv", "stock"])
+def test_packed_equals_nn_linear(shape, bias, kernel):
     torch.manual_seed(0)
     lin = nn.Linear(48, 80, bias=bias)
     p = PackedLinear(lin)
     x = torch.randn(*shape)
     rows = x.numel() // 48
-    p.gemv_rows = frozenset({rows}) if gemv else frozenset()
+    p.kernel_for = {rows: kernel}
     with torch.inference_mode():
         got, want = p(x), lin(x)
     assert got.shape == want.shape
@@ -49,8 +49,10 @@ def test_swaps_fp32_cpu_linears_and_restores_the_same_objects():
         with packed_linears(net, half) as kernels:
             assert [type(m) for m in (net[0], net[2][0], net[2][1])] == [PackedLinear] * 3
             assert type(half) is nn.Linear
-            assert set(kernels) == {"1", "2", "3+"} and kernels["3+"] == "onednn"
-            assert {kernels["1"], kernels["2"]} <= {"gemv", "onednn"}
+            assert set(kernels) == {"1", "2", "3", "4", "5+"} and kernels["5+"] == "onednn"
+            assert {kernels[r] for r in "1234"} <= {"gemv", "stock", "onednn"}
+            for rows in range(1, 7):  # each timed count on its chosen kernel, the rest on oneDNN
+                assert net[0].kernel_for.get(rows, "onednn") == kernels.get(str(rows), "onednn")
             torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(net(x[:1]), want[:1], rtol=1e-5, atol=1e-5)
         assert [net[0], net[2][0], net[2][1], half] == before  # the very modules, not copies

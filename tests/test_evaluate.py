@@ -201,7 +201,7 @@ def test_packed_cpu_kernels_decode_as_stock(target, tiny_llama_dir, convs, eos):
     d.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
     stock = measure(model, tok, DraftProposer(d), d.config.aux_layer_ids, convs, K, MAX_NEW, eos, cpu_linear=False)
     packed = measure(model, tok, DraftProposer(d), d.config.aux_layer_ids, convs, K, MAX_NEW, eos)
-    assert stock["cpu_linear"] == {} and packed["cpu_linear"]["3+"] == "onednn"
+    assert stock["cpu_linear"] == {} and set(packed["cpu_linear"]) == {*map(str, range(1, K + 2)), f"{K + 2}+"}
     assert packed["lossless"] is True
     assert [t["text"] for it in packed["items"] for t in it["turns"]] == [t["text"] for it in stock["items"] for t in it["turns"]]
     for key in ("acceptance_length", "num_drafts", "num_accepted_tokens_per_pos"):

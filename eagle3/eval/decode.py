@@ -249,15 +249,16 @@ def measure(
     Per conversation the plain greedy run goes first, then the speculative run, so that load
     from other processes hits both alike. Only the generate calls are timed (not rendering).
     `cpu_linear`: on CPU, both runs use oneDNN-prepacked linear layers (`eagle3.cpu_linear`: a verify
-    pass of k+1 tokens then costs about one plain step, as on a GPU; 1-2 rows take the faster of that
-    and a GEMV, timed at entry). The report's `cpu_linear` names the kernel per row count.
+    pass of k+1 tokens then costs about one plain step, as on a GPU; each row count 1..k+1 takes the
+    fastest of that, a GEMV and stock F.linear, timed at entry). The report's `cpu_linear` names the
+    kernel per row count.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     mods = [target_model] + ([proposer.draft] if isinstance(proposer, DraftProposer) else [])
-    with packed_linears(*mods) if cpu_linear else contextlib.nullcontext({}) as kernels:
+    with packed_linears(*mods, rows=range(1, k + 2)) if cpu_linear else contextlib.nullcontext({}) as kernels:
         report = _measure(target_model, tokenizer, proposer, aux_ids, convs, k, max_new_tokens, eos, progress)
     return report | {"cpu_linear": kernels}
 
