@@ -119,7 +119,7 @@ class PeakRSS:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.own = _vm_hwm() if self.own_reset else None
+        self.own = proc_bytes("/proc/self/status", "VmHWM") if self.own_reset else None
         if self.own is None:
             self.own = _maxrss(resource.RUSAGE_SELF)
         c = _maxrss(resource.RUSAGE_CHILDREN)
@@ -137,12 +137,12 @@ def _maxrss(who: int) -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
-def _vm_hwm() -> int | None:
-    """VmHWM of this process from /proc/self/status, in bytes."""
+def proc_bytes(path: str, key: str) -> int | None:
+    """A `key:  N kB` line of a /proc file (status, meminfo) in bytes; None without /proc or the key."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

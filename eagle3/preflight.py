@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import DEFAULT_DRAFT_VOCAB, PipelineConfig, TargetPlan
+from eagle3.heap import proc_bytes
 from eagle3.target import MLA_DRAFT_HEAD_DIM, Target
 
 GIB = 1 << 30
@@ -221,7 +222,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
            + 2 * tc.pack_tokens * vd * 4 + 2 * t.vocab_size * t.hidden_size * 4 + P * 16 + int(0.35 * GIB))
     pl.rows.append({"stage": "train", "what": "activation memory per rank (estimate)", "bytes": act,
                     "human": human(act)})
-    mem = free_mem if free_mem is not None else _avail_mem()
+    mem = free_mem if free_mem is not None else proc_bytes("/proc/meminfo", "MemAvailable")
     if mem and act * tc.nproc_per_node > mem and not _has_cuda():
         pl.problems.append(f"memory: training needs about {human(act * tc.nproc_per_node)} "
                            f"({tc.nproc_per_node} process(es)), {human(mem)} is available; lower train.pack_tokens, "
@@ -303,17 +304,6 @@ def check(cfg: PipelineConfig, **kw) -> Plan:
     if p.problems:
         raise PreflightError("preflight: this run cannot finish:\n- " + "\n- ".join(p.problems) + "\n\n" + p.table())
     return p
-
-
-def _avail_mem() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _has_cuda() -> bool:
