@@ -74,9 +74,24 @@ class BufferLayer(DynamicLayer):
             self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
+        """Keep the rows `indices` (finished rows leave the batch). Ascending indices (the decoder's) are
+        compacted in place: row j takes row indices[j] >= j, moved in ascending order, so no source is
+        overwritten before it is read, and the buffers stay where they are. A gather into new buffers
+        instead allocated 60 buffers per round as rows left; on the kept heap (eagle3/heap.py) the freed
+        ones fragmented it: the eval building the 80-row MT-Bench answers peaked at 10.76 GiB, 9.17 GiB
+        compacting in place, with the same answers bit for bit and no slower (255 s against 270 s)."""
+        if not self.is_initialized:
+            return
+        idx = indices.tolist()
+        if idx != sorted(set(idx)):  # any other selection (reorder, repeats): a gather
             self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
-            self._views()
+        else:
+            for j, i in enumerate(idx):
+                if i != j:
+                    self.kbuf[j, :, : self.n] = self.kbuf[i, :, : self.n]
+                    self.vbuf[j, :, : self.n] = self.vbuf[i, :, : self.n]
+            self.kbuf, self.vbuf = self.kbuf[: len(idx)], self.vbuf[: len(idx)]  # views: [b, Hkv, cap, D]
+        self._views()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("BufferLayer is for greedy/sampled batch decoding, not beam search")

@@ -64,3 +64,20 @@ def test_buffer_layer_crop():
     assert torch.equal(layer.keys, k) and layer.get_seq_length() == 6
     layer.crop(-2)
     assert torch.equal(layer.keys, k[:, :, :4]) and layer.get_seq_length() == 4
+
+
+@pytest.mark.parametrize("keep", [[0, 2, 3], [1, 3], [0, 1, 2, 3], [3], [2, 0, 3], [1, 1, 2]])
+def test_buffer_layer_select_rows(keep):
+    """Finished rows leave: ascending rows compact in place (same buffer, no new allocation), any other
+    selection gathers; either way the kept rows' K/V equal a gather of the original."""
+    layer = BufferLayer(reserve=8)
+    k = torch.randn(4, 2, 5, 3)
+    v = torch.randn(4, 2, 5, 3)
+    layer.update(k, v)
+    ptr = layer.kbuf.data_ptr()
+    layer.batch_select_indices(torch.tensor(keep))
+    assert torch.equal(layer.keys, k[keep]) and torch.equal(layer.values, v[keep])
+    assert layer.get_seq_length() == 5 and layer.kbuf.shape[0] == len(keep)
+    assert (layer.kbuf.data_ptr() == ptr) == (keep == sorted(set(keep)))
+    layer.update(k[keep][:, :, :2], v[keep][:, :, :2])  # decoding goes on in the compacted buffers
+    assert torch.equal(layer.keys, torch.cat([k[keep], k[keep][:, :, :2]], 2))
