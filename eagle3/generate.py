@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from eagle3 import heap
 from eagle3.config import RegenConfig
 from eagle3.cpu_linear import packed_linears
 
@@ -119,7 +120,11 @@ class HFGenerator:
         # room for 256 new tokens at first; a longer run grows the buffers (rarely: most rows stop early)
         reserve = max(map(len, prompts)) + min(self.cfg.max_new_tokens + self.tail, 256)
         with gqa_decoding(self.model):
-            return self._decode(prompts, seeds, buffer_cache(self.model, reserve))
+            gens = self._decode(prompts, seeds, buffer_cache(self.model, reserve))
+        # The batch's KV cache and prefill activations are freed now; on the kept heap (eagle3/heap.py)
+        # they would stay resident beside the next batch's, which rarely fits in their place.
+        heap.trim()
+        return gens
 
     def _decode(self, prompts: list[list[int]], seeds: list[int], cache) -> list[Gen]:
         B, L, dev = len(prompts), max(map(len, prompts)), self.device

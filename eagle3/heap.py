@@ -91,9 +91,15 @@ def release() -> None:
             return
     elif _state != "release":
         return
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    trim()
+
+
+def trim() -> None:
+    """Hand the heap's free pages back to the OS now (glibc's malloc_trim, which also releases whole free
+    pages inside the heap); for the end of a phase whose buffers will not be reused, whatever the mode."""
+    fn = getattr(_libc(), "malloc_trim", None)
+    if fn is not None:
+        fn(0)
 
 
 class PeakRSS:
