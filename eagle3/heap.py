@@ -16,7 +16,8 @@ calls `retain_freed_memory()` as it starts. `EAGLE3_HEAP=release` keeps glibc's 
 `release()` hand the freed heap back at each training step (a host short of RAM, where returning
 memory matters more than speed; this was the trainer's behaviour before).
 
-`PeakRSS` measures a block's peak resident memory (the pipeline logs it per stage).
+`trim()` hands the freed heap back at the end of a phase whose buffers will not be reused (a decoded
+batch: its KV cache). `PeakRSS` measures a block's peak resident memory (the pipeline logs it per stage).
 """
 from __future__ import annotations
 
@@ -108,8 +109,8 @@ class PeakRSS:
     `own`: Linux lets a process reset its high-water mark (writing 5 to /proc/self/clear_refs sets
     VmHWM to the current RSS), so stages run one after another in one process each get their own
     peak; it includes what earlier blocks left resident (the heap kept by `retain_freed_memory`, the
-    imported libraries), as the OS sees it. Where that is refused (not Linux, or no /proc) `own` is the process's lifetime peak and
-    `own_reset` is False. `children`: the largest resident set of any child process that ended inside
+    imported libraries), as the OS sees it. Where that is refused (not Linux, or no /proc) `own` is
+    the process's lifetime peak and `own_reset` is False. `children`: the largest resident set of any child process that ended inside
     the block (torchrun's workers, a replay-set subprocess), from RUSAGE_CHILDREN, which only ever
     grows: None when no child inside the block beat an earlier child's peak."""
 
