@@ -110,9 +110,9 @@ class PeakRSS:
     VmHWM to the current RSS), so stages run one after another in one process each get their own
     peak; it includes what earlier blocks left resident (the heap kept by `retain_freed_memory`, the
     imported libraries), as the OS sees it. Where that is refused (not Linux, or no /proc) `own` is
-    the process's lifetime peak and `own_reset` is False. `children`: the largest resident set of any child process that ended inside
-    the block (torchrun's workers, a replay-set subprocess), from RUSAGE_CHILDREN, which only ever
-    grows: None when no child inside the block beat an earlier child's peak."""
+    the process's lifetime peak and `own_reset` is False. `children`: the largest resident set of any
+    child process that ended inside the block (torchrun's workers, a replay-set subprocess), from
+    RUSAGE_CHILDREN, which only ever grows: None when no child inside the block beat an earlier child's."""
 
     def __enter__(self) -> "PeakRSS":
         try:
