@@ -51,8 +51,8 @@ KERNELS = ("onednn", "gemv", "stock")
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear's forward on a oneDNN-prepacked copy of its weight, or for the row counts in
-    `kernel_for` ({rows: "gemv" or "stock"}) on a GEMV or the stock F.linear."""
+    """An nn.Linear's forward on a oneDNN-prepacked copy of its weight, or, for the row counts that
+    `kernel_for` ({rows: one of KERNELS}) maps to "gemv" or "stock", on a GEMV or the stock F.linear."""
 
     def __init__(self, lin: nn.Linear, gemv: bool = True):
         super().__init__()
@@ -114,7 +114,7 @@ def packed_linears(*modules: nn.Module, timed: bool = True, rows: Iterable[int] 
     times nothing and uses oneDNN for every row count: for many-row work (extraction), where a choice
     made by a clock would make reruns differ in their last bits.
     """
-    rows = sorted(set(rows)) if timed else []
+    counts = sorted(set(rows)) if timed else []
     swaps: list[tuple[nn.Module, str, nn.Linear, PackedLinear]] = []
     if available():
         with torch.inference_mode():
@@ -122,21 +122,21 @@ def packed_linears(*modules: nn.Module, timed: bool = True, rows: Iterable[int] 
                 for parent in list(mod.modules()):
                     for name, child in list(parent.named_children()):
                         if _swappable(child):
-                            swaps.append((parent, name, child, PackedLinear(child, gemv=bool(rows))))
+                            swaps.append((parent, name, child, PackedLinear(child, gemv=bool(counts))))
     choice: dict[str, str] = {}
     try:
         if swaps:
             layers = [p for *_, p in swaps]
+            kernel_for: dict[int, str] = {}
             with torch.inference_mode():
-                for r in rows:
+                for r in counts:
                     t = _time_kernels(layers, r)
-                    choice[str(r)] = min(t, key=t.get)
-            kernel_for = {int(r): k for r, k in choice.items() if k != "onednn"}
+                    kernel_for[r] = min(t, key=t.get)
             for p in layers:
                 p.kernel_for = kernel_for
                 if "gemv" not in kernel_for.values():
                     p.wt = None  # the transposed copy only served the timing: free its memory (a second weight)
-            choice[f"{rows[-1] + 1}+" if rows else "1+"] = "onednn"
+            choice = {str(r): k for r, k in kernel_for.items()} | {f"{counts[-1] + 1}+" if counts else "1+": "onednn"}
             for parent, name, _, packed in swaps:
                 setattr(parent, name, packed)
         yield choice

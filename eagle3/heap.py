@@ -122,16 +122,13 @@ class PeakRSS:
         except OSError:
             self.own_reset = False
         self._children0 = _maxrss(resource.RUSAGE_CHILDREN)
-        self.own: int = 0
-        self.children: int | None = None
         return self
 
     def __exit__(self, *exc) -> None:
-        self.own = proc_bytes("/proc/self/status", "VmHWM") if self.own_reset else None
-        if self.own is None:
-            self.own = _maxrss(resource.RUSAGE_SELF)
+        hwm = proc_bytes("/proc/self/status", "VmHWM") if self.own_reset else None
+        self.own: int = hwm if hwm is not None else _maxrss(resource.RUSAGE_SELF)
         c = _maxrss(resource.RUSAGE_CHILDREN)
-        self.children = c if c > self._children0 else None
+        self.children: int | None = c if c > self._children0 else None
 
     def line(self) -> str:
         """'peak RSS 6.95 GiB (subprocesses 2.10 GiB)', for a stage's log line."""

@@ -60,16 +60,13 @@ def test_retained_blocks_are_reused_without_page_faults():
 
 PEAK = """
 import json, subprocess, sys, torch
-from eagle3.heap import PeakRSS
-MiB = 2**20
-def rss():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) * 1024
+from eagle3.heap import PeakRSS, proc_bytes
 def touch(mb):  # mb MiB made resident, then freed (a block this big is mmapped: its pages go back)
     x = torch.empty(mb << 18)
     x.fill_(1.0)
     del x
 child = "import torch; x = torch.empty({} << 18); x.fill_(1.0)"
-base = rss()
+base = proc_bytes("/proc/self/status", "VmRSS")
 with PeakRSS() as a:
     touch(800)
 with PeakRSS() as b:
