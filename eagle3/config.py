@@ -120,7 +120,7 @@ class PrepareConfig(_Cfg):
 class ExtractConfig(_Cfg):
     """Stage 2: run the target over prepared samples and store aux + final hidden states."""
 
-    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, CPU or GPU) or 'vllm' (GPU host)")
+    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers) or 'vllm' (the vLLM engine, TP/PP; GPU or CPU)")
     aux_layer_ids: list[int] | None = Field(
         None,
         description="vLLM-convention ids of the 3 aux layers (id k = residual stream entering layer k), "
@@ -136,6 +136,14 @@ class ExtractConfig(_Cfg):
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM PP size")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vLLM gpu_memory_utilization")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="vLLM max_num_batched_tokens; empty: vLLM's default")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="vllm: the engine's compute dtype; auto = bf16 on a GPU, fp32 on a CPU engine "
+        "(equal to the hf backend there to float noise)",
+    )
+    engine_args: dict[str, Any] = Field(
+        {}, description="vllm: more vllm.LLM arguments, given over eagle3's own, e.g. enforce_eager true (no "
+        "compile at start-up: faster to start, slower to run) or max_num_seqs; on the command line as JSON",
+    )
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -260,7 +268,7 @@ class EvalConfig(_Cfg):
     k: int = Field(3, ge=1, le=32, description="draft tokens proposed per verify pass (num_speculative_tokens)")
     max_new_tokens: int = Field(256, ge=1, le=1 << 16, description="tokens generated per turn at most")
     limit: int | None = Field(None, ge=1, description="evaluate only the first N prompts; empty: all")
-    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, any machine) or 'vllm' (GPU host)")
+    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, any machine) or 'vllm' (the vLLM engine; GPU or CPU)")
     mode: Literal["live", "replay"] = Field(
         "live", description="live: decode and time speculative vs plain greedy, check losslessness; replay: exact "
         "tau from the target's cached greedy answers and one TTT pass of the draft (no speed, no lossless check)",
@@ -278,6 +286,14 @@ class EvalConfig(_Cfg):
     gpu_memory_utilization: float = Field(
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
     )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="vllm: the engines' compute dtype; auto = bf16 on a GPU, fp32 on a CPU engine (where "
+        "its drafts and acceptance equal the hf evaluator's)",
+    )
+    engine_args: dict[str, Any] = Field(
+        {}, description="vllm: more vllm.LLM arguments, given over eagle3's own, e.g. enforce_eager true (no "
+        "compile at start-up: faster to start, slower to run) or max_num_seqs; on the command line as JSON",
+    )
     threads: int | None = Field(
         None, ge=1, description="hf: torch CPU threads for decoding (batch 1, latency-bound); empty: torch's default; "
         "1 is fastest on a loaded shared CPU",
@@ -294,7 +310,7 @@ class RegenConfig(_Cfg):
 
     model_config = ConfigDict(title="regenerate")  # the run form's label for this optional section
 
-    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (batched transformers, CPU or GPU) or 'vllm' (GPU host)")
+    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (batched transformers, CPU or GPU) or 'vllm' (the vLLM engine, TP; GPU or CPU)")
     max_new_tokens: int = Field(1024, ge=1, le=1 << 16, description="tokens generated per assistant turn at most")
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy (default); above 0: sample with seed")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass (only when temperature is above 0)")
@@ -317,10 +333,14 @@ class RegenConfig(_Cfg):
         32768, ge=64, description="hf: padded prompt tokens of one batch at most (long prompts get smaller batches)"
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="hf: auto = fp32 on CPU (faster there), bf16 on CUDA; vllm: auto = bf16"
+        "auto", description="auto = fp32 on CPU (faster there), bf16 on CUDA, for both backends"
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: TP size")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vllm: gpu_memory_utilization")
+    engine_args: dict[str, Any] = Field(
+        {}, description="vllm: more vllm.LLM arguments, given over eagle3's own, e.g. enforce_eager true (no "
+        "compile at start-up: faster to start, slower to run) or max_num_seqs; on the command line as JSON",
+    )
 
     def settings(self, dtype: str, max_len: int) -> dict:
         """What changes the regenerated text: part of every record's provenance and reuse key.
@@ -374,6 +394,18 @@ def comma_list(elem: type):
     return parse
 
 
+def json_object(text: str) -> dict:
+    import json
+
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return v
+
+
 def add_flags(p: argparse.ArgumentParser, model: type[BaseModel], aliases: dict[str, str] | None = None,
               skip: tuple[str, ...] = ()) -> None:
     """One flag per field of a config: `--field-name`, the field's description as help (the same text the
@@ -394,6 +426,8 @@ def add_flags(p: argparse.ArgumentParser, model: type[BaseModel], aliases: dict[
             kw["choices"] = list(args)
         elif origin in (list, tuple):
             kw.update(type=comma_list(args[0]), metavar="A,B,...")
+        elif origin is dict:
+            kw.update(type=json_object, metavar="JSON")
         elif ann in (int, float, str):
             kw["type"] = ann
         else:

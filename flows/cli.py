@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 
 from eagle3 import cli
+from eagle3.vllm_engine import serve_command
 
 
 def _run(a) -> None:
@@ -34,12 +36,11 @@ def _run(a) -> None:
     r = result.pop("report")
     print(json.dumps(result, indent=1))
     final = os.path.abspath(result["final"])
-    spec = json.dumps({"method": "eagle3", "model": final, "num_speculative_tokens": r.k})
     ci = f" (95% CI {r.acceptance_length_ci[0]:.3f}-{r.acceptance_length_ci[1]:.3f})" if r.acceptance_length_ci else ""
     print(f"\ntau (acceptance length) = {r.acceptance_length:.3f}{ci} at k={r.k} on {r.num_prompts} prompts "
           f"({cfg.eval.prompts}, {r.mode}); speedup {r.speedup_vs_target or 0:.2f}x over greedy; lossless: {r.lossless}")
     print(f"draft: {final}")
-    print(f"serve it: vllm serve {os.path.abspath(cfg.model)} --speculative-config '{spec}'")
+    print(f"serve it: {shlex.join(serve_command(os.path.abspath(cfg.model), final, r.k))}")
 
 
 def build_parser():

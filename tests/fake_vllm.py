@@ -62,6 +62,7 @@ class SamplingParams:
 class KVTransferConfig:
     kv_connector: str | None = None
     kv_role: str | None = None
+    kv_connector_module_path: str | None = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
     def get_from_extra_config(self, key, default):
@@ -138,8 +139,11 @@ class LLM:
         if not ids:
             raise ValueError("eagle_aux_hidden_state_layer_ids must be set in the draft model config "
                              "for extract_hidden_states method")
-        if kv is None or kv.kv_connector != "ExampleHiddenStatesConnector":
-            raise ValueError("extract_hidden_states needs the ExampleHiddenStatesConnector in this fake")
+        # eagle3's connector subclasses the stock one and keeps its file protocol (CPU write path aside)
+        ours = (kv is not None and kv.kv_connector == "Eagle3HiddenStatesConnector"
+                and kv.kv_connector_module_path == "eagle3.extract.vllm_connector")
+        if kv is None or not (ours or kv.kv_connector == "ExampleHiddenStatesConnector"):
+            raise ValueError("extract_hidden_states needs the ExampleHiddenStatesConnector (or a subclass) in this fake")
         if kwargs.get("enable_chunked_prefill", True) is not False:
             raise ValueError("Chunked prefill is not compatible with extract_hidden_states")
         self.layer_ids = list(ids)

@@ -5,7 +5,8 @@ config.json as published (legacy `rope_scaling` / `rope_theta` keys, `torch_dtyp
 in several `model-0000k-of-0000n.safetensors` shards with an index, the tokenizer files, the chat
 template and generation_config.json -- at a size a 2-core CPU runs end to end in seconds:
 
-- `llama-3.1`: `LlamaForCausalLM`, rope_scaling `llama3`, untied head, a fast BPE tokenizer whose
+- `llama-3.1`: `LlamaForCausalLM` (head_dim = H / heads = 32, GQA; 32 is the smallest head size vLLM's CPU
+  attention runs), rope_scaling `llama3`, untied head, a fast BPE tokenizer whose
   256 special ids follow the base vocabulary as Llama-3's do (`<|begin_of_text|>`, `<|eot_id|>`,
   `<|eom_id|>`, ...), so the embedding rows equal the tokenizer's length; the 3.1 chat template
   (knowledge-cutoff system header, content trimmed, `<|eot_id|>` after each turn).
@@ -237,10 +238,10 @@ def build_llama31(out: Path, texts: list[str]) -> None:
             "rope_type": "llama3"}
     cfg = {
         "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": n, "eos_token_id": [n + 1, n + 8, n + 9], "head_dim": 16, "hidden_act": "silu",
+        "bos_token_id": n, "eos_token_id": [n + 1, n + 8, n + 9], "head_dim": 32, "hidden_act": "silu",
         "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 131072,
-        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": LAYERS,
-        "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-5, "rope_scaling": rope,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 2, "num_hidden_layers": LAYERS,
+        "num_key_value_heads": 1, "pretraining_tp": 1, "rms_norm_eps": 1e-5, "rope_scaling": rope,
         "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "transformers_version": "4.42.3", "use_cache": True, "vocab_size": n + 256,
     }

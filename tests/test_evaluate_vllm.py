@@ -157,23 +157,32 @@ def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypa
 
 
 @pytest.mark.vllm
-def test_real_vllm_eval(smollm2_dir, tmp_path):
-    """On the GPU host: the real vLLM measures a random head on SmolLM2; tau in [1, k+1], lossless."""
-    pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM eval needs a GPU")
-    from eagle3.eval.run import evaluate
-    from eagle3.model import DraftConfig, Eagle3Draft
-    from eagle3.formats import export
+@pytest.mark.parametrize("fam", ["smollm2", "llama-3.1", "qwen3"])
+def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
+    """The real engine (fp32 on CPU) serves a random head as is, and its own spec-decode counters give the same
+    drafts, accepted tokens, per-position counts and answers as the hf evaluator on the same head and prompts."""
+    from engine import ENGINE
+    from test_evaluate import random_draft, write_native
 
-    d = Eagle3Draft(DraftConfig.from_target(smollm2_dir, 32000))
-    tid = torch.randperm(d.config.vocab_size)[:32000].sort().values
-    d.d2t.copy_(tid - torch.arange(32000))
-    d.t2d[tid] = True
-    draft = export(d.state_dict(), d.config, 3, tmp_path / "final")
-    m = evaluate(smollm2_dir, draft, tmp_path / "eval", EvalConfig(k=3, max_new_tokens=32, limit=2, backend="vllm"))
-    assert 1.0 <= m.acceptance_length <= 4.0 and m.num_drafts > 0
-    assert len(m.per_position_acceptance) == 3
+    from eagle3.eval.run import evaluate
+
+    model = smollm2_dir if fam == "smollm2" else family_dirs[fam]
+    d = random_draft(model, draft_vocab=256, seed=2)
+    draft = write_native(d, tmp_path / "final")
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"turns": ["Name three colours.", "And three animals."]}) + "\n"
+                 + json.dumps({"prompt": "Count from one to ten."}) + "\n")
+    cfg = EvalConfig(prompts=str(p), k=3, max_new_tokens=24, threads=1)
+    v = evaluate(model, draft, tmp_path / "v", cfg.model_copy(update={"backend": "vllm", "engine_args": ENGINE}))
+    h = evaluate(model, draft, tmp_path / "h", cfg)
+    assert v.backend == "vllm" and v.lossless and h.lossless and v.num_turns == h.num_turns == 3
+    assert (v.num_drafts, v.num_accepted_tokens, v.generated_tokens) == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens)
+    assert v.per_position_acceptance == h.per_position_acceptance and v.acceptance_length == h.acceptance_length
+    assert v.num_drafts > 0 and 1.0 <= v.acceptance_length <= 4.0
+    # the same answers, turn by turn (the engine's speculative output and the hf greedy one)
+    answers = [[t["text"] for it in json.loads((tmp_path / x / "report.json").read_text())["items"] for t in it["turns"]]
+               for x in ("v", "h")]
+    assert answers[0] == answers[1]
 
 
 @pytest.mark.parametrize("fam", ["qwen3", "kimi-k2.5"])

@@ -1,7 +1,6 @@
 """The vLLM backend of eagle3 regenerate: on CPU against a fake that follows vLLM's contract; on a GPU for real."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from types import SimpleNamespace
 
@@ -20,11 +19,11 @@ def test_vllm_backend_equals_hf_backend_and_target_greedy(tmp_path, tiny_llama_d
     cfg = RegenConfig(backend="vllm", max_new_tokens=10, tensor_parallel_size=2, gpu_memory_utilization=0.5)
     m = regenerate(tiny_llama_dir, str(src), tmp_path / "vllm", cfg)
     (llm,) = fake.LLM.instances
-    assert llm.kwargs == {"model": str(tiny_llama_dir), "tensor_parallel_size": 2, "dtype": "bfloat16", "seed": 0,
+    assert llm.kwargs == {"model": str(tiny_llama_dir), "tensor_parallel_size": 2, "dtype": "float32", "seed": 0,
                           "gpu_memory_utilization": 0.5, "max_model_len": 4096, "enable_prefix_caching": True,
                           "trust_remote_code": False}
     assert llm.calls == [6, 2]  # one generate call per wave: continuous batching inside vLLM
-    assert (m.backend, m.settings["backend"], m.settings["dtype"]) == ("vllm", "vllm", "bfloat16")
+    assert (m.backend, m.settings["backend"], m.settings["dtype"]) == ("vllm", "vllm", "float32")  # auto on CPU
     assert (m.records_written, m.turns_written) == (6, 8)
     hf = regenerate(tiny_llama_dir, str(src), tmp_path / "hf", RegenConfig(max_new_tokens=10))
     assert [r["messages"] for r in read_records(tmp_path / "vllm")] == [r["messages"] for r in read_records(tmp_path / "hf")]
@@ -92,30 +91,27 @@ def test_stop_tokens_kept_or_not_by_vllm_give_the_same_file(tmp_path, tiny_llama
     assert files["hf"] == files["keep"] == files["drop"]
 
 
-_HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-
-
 @pytest.mark.vllm
-@pytest.mark.skipif(not _HAVE_VLLM, reason="needs vLLM and a GPU")
-def test_real_vllm_regenerates_its_own_greedy(tmp_path, smollm2_dir):
-    """On the GPU host: every regenerated turn equals vLLM's own greedy answer to that history, alone."""
-    from vllm import LLM, SamplingParams
-
-    from eagle3.target import Target, prompt_ids
+def test_real_engine_regenerates_the_hf_greedy_answers(tmp_path, smollm2_dir, monkeypatch):
+    """SmolLM2 on the real engine (fp32 on CPU, one generate call per wave, prefix caching on) writes the same
+    conversations as the hf backend's batched greedy decoding, and as the fake engine does."""
+    from engine import ENGINE
 
     src = tmp_path / "src.jsonl"
-    src.write_text(json.dumps({"id": "a", "messages": [
-        {"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
-        {"role": "user", "content": "And of Italy?"}, {"role": "assistant", "content": "Rome."}]}) + "\n")
-    cfg = RegenConfig(backend="vllm", max_new_tokens=24, gpu_memory_utilization=0.3)
-    m = regenerate(smollm2_dir, str(src), tmp_path / "out", cfg)
-    assert m.turns_written == 2 and m.stats["tokens_per_second"] > 0
-    tok = Target.open(smollm2_dir).tokenizer()
-    eos = Target.open(smollm2_dir).stop_ids()
-    llm = LLM(str(smollm2_dir), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3)
-    msgs = read_records(tmp_path / "out")[0]["messages"]
-    for i in (1, 3):
-        (o,) = llm.generate([{"prompt_token_ids": prompt_ids(tok, msgs[:i])}],
-                            SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=sorted(eos)), use_tqdm=False)
-        ids = [t for t in o.outputs[0].token_ids if t not in eos]
-        assert tok.decode(ids, skip_special_tokens=True) == msgs[i]["content"]
+    src.write_text("".join(json.dumps({"id": f"r{i}", "messages": m}) + "\n" for i, m in enumerate([
+        [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
+         {"role": "user", "content": "And of Italy?"}, {"role": "assistant", "content": "Rome."}],
+        [{"role": "user", "content": "Name a prime number above 10."}, {"role": "assistant", "content": "11"}],
+        [{"role": "user", "content": "Write one sentence about the sea."}, {"role": "assistant", "content": "Blue."}],
+    ])))
+    cfg = RegenConfig(max_new_tokens=24)
+    v = regenerate(smollm2_dir, str(src), tmp_path / "vllm", cfg.model_copy(update={"backend": "vllm", "engine_args": ENGINE}))
+    h = regenerate(smollm2_dir, str(src), tmp_path / "hf", cfg)
+    assert (v.records_written, v.turns_written) == (h.records_written, h.turns_written) == (3, 4)
+    assert v.settings["dtype"] == h.settings["dtype"] == "float32"
+    msgs = [r["messages"] for r in read_records(tmp_path / "vllm")]
+    assert msgs == [r["messages"] for r in read_records(tmp_path / "hf")]
+    assert msgs[0][1]["content"] != "Paris."  # really regenerated
+    fake.install(monkeypatch)
+    regenerate(smollm2_dir, str(src), tmp_path / "fake", cfg.model_copy(update={"backend": "vllm"}))
+    assert [r["messages"] for r in read_records(tmp_path / "fake")] == msgs

@@ -1,4 +1,4 @@
-"""The vLLM path of `eagle3 eval` (GPU host): the same report, from vLLM's own spec-decode counters.
+"""The vLLM path of `eagle3 eval` (GPU host or CPU engine): the same report, from vLLM's own spec-decode counters.
 
 Contract, as read in vLLM's source (facts only):
 - `vllm/v1/metrics/reader.py`: `LLM.get_metrics()` returns dataclass records with `name` and
@@ -29,6 +29,7 @@ from eagle3.eval.prompts import load_prompts
 from eagle3.eval.report import finish_report
 from eagle3.formats import draft_format
 from eagle3.manifests import EvalReport
+from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype, speculative_config
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -76,9 +77,9 @@ def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path,
     """`eagle3 eval --backend vllm`: the report of `evaluate`, measured by vLLM on a GPU."""
     import json
 
-    from vllm import LLM, SamplingParams
-
     from eagle3.target import Target
+
+    vllm = import_vllm("eval --backend vllm")
 
     k, max_new_tokens = cfg.k, cfg.max_new_tokens
     convs, _ = load_prompts(cfg.prompts, cfg.limit)
@@ -88,11 +89,13 @@ def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path,
     fmt = draft_format(json.loads(cpath.read_text()))
     target = Target.open(model_dir, trust_remote_code)
     tok = target.tokenizer()
-    common = dict(model=str(model_dir), dtype="bfloat16", gpu_memory_utilization=cfg.gpu_memory_utilization,
-                  enable_prefix_caching=False, disable_log_stats=False, trust_remote_code=trust_remote_code)
-    base = LLM(**common)
-    spec = LLM(**common, speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})
-    sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    common = dict(model=str(model_dir), dtype=resolve_dtype(cfg.dtype), gpu_memory_utilization=cfg.gpu_memory_utilization,
+                  enable_prefix_caching=False, disable_log_stats=False, trust_remote_code=trust_remote_code,
+                  **cfg.engine_args)
+    cpu_engine_env()
+    base = vllm.LLM(**common)
+    spec = vllm.LLM(**common, speculative_config=speculative_config(draft_dir, k))
+    sp = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
 
     def gen(llm):
         def run(prompt: list[int]) -> list[int]:

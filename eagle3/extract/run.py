@@ -225,6 +225,8 @@ def run_extract(
     clean_temp_files(out / SHARD_DIR)
 
     samples = load_samples(prepared, prep, cfg.splits)
+    if cfg.backend == "vllm":
+        check_engine_length(samples, target.max_position_embeddings)
     tok_bytes = bytes_per_token(n_aux, hidden, cfg.storage)
     plans = plan_shards(samples, tok_bytes, cfg.shard_bytes, common)
 
@@ -386,6 +388,19 @@ def _write_index(out: Path, plans: list[ShardPlan]) -> str:
     with atomic_path(out / INDEX_FILE) as tmp:
         pq.write_table(pa.table(cols, schema=schema), tmp)
     return sha256_file(out / INDEX_FILE)
+
+
+def check_engine_length(samples: Samples, limit: int) -> None:
+    """vLLM refuses a prompt (and an engine whose max_model_len is) past the model's context: say so up
+    front, naming the samples, instead of failing after the engine started. +1: the one sampled token."""
+    over = [(sid, n) for sid, n in zip(samples.sample_id, samples.length) if n + 1 > limit]
+    if over:
+        named = ", ".join(f"{sid} ({n} tokens)" for sid, n in over[:5]) + (f" and {len(over) - 5} more" if len(over) > 5 else "")
+        raise ValueError(
+            f"extract --backend vllm: {len(over)} sample(s) longer than the engine allows "
+            f"(max_position_embeddings {limit}, one position kept for the sampled token): {named}; "
+            "prepare with a smaller max_len"
+        )
 
 
 def make_backend(cfg: ExtractConfig, target: Target, layer_ids: list[int], out: Path, max_len: int) -> Backend:

