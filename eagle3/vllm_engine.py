@@ -75,14 +75,19 @@ def speculative_config(draft_dir: str, k: int) -> dict[str, Any]:
     return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
 
 
-def serve_command(model: str, draft_dir: str, k: int) -> list[str]:
-    """The command that serves `model` with the head in `draft_dir` through vLLM's OpenAI server.
+def serve_command(model: str, draft_dir: str, k: int) -> str:
+    """The shell command that serves `model` with the head in `draft_dir` through vLLM's OpenAI server.
 
     `python -m vllm.entrypoints.openai.api_server` rather than `vllm serve`: the same server, and it
     also starts from the CPU build, whose `vllm` CLI looks up a distribution named "vllm" and dies.
+    On a CPU engine the KV cache size is set (vLLM would otherwise ask for 92% of memory) and fp32 named.
     """
     import json
+    import shlex
     import sys
 
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--speculative-config", json.dumps(speculative_config(draft_dir, k))]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--speculative-config", json.dumps(speculative_config(draft_dir, k))]
+    if not on_cpu():
+        return shlex.join(cmd)
+    return "VLLM_CPU_KVCACHE_SPACE=2 " + shlex.join(cmd + ["--dtype", resolve_dtype("auto")])

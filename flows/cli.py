@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import sys
 
 from eagle3 import cli
@@ -40,7 +39,7 @@ def _run(a) -> None:
     print(f"\ntau (acceptance length) = {r.acceptance_length:.3f}{ci} at k={r.k} on {r.num_prompts} prompts "
           f"({cfg.eval.prompts}, {r.mode}); speedup {r.speedup_vs_target or 0:.2f}x over greedy; lossless: {r.lossless}")
     print(f"draft: {final}")
-    print(f"serve it: {shlex.join(serve_command(os.path.abspath(cfg.model), final, r.k))}")
+    print(f"serve it: {serve_command(os.path.abspath(cfg.model), final, r.k)}")
 
 
 def build_parser():

@@ -179,8 +179,11 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     assert (v.num_drafts, v.num_accepted_tokens, v.generated_tokens) == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens)
     assert v.per_position_acceptance == h.per_position_acceptance and v.acceptance_length == h.acceptance_length
     assert v.num_drafts > 0 and 1.0 <= v.acceptance_length <= 4.0
+    print(f"\n{fam}: {v.num_drafts} drafts, {v.num_accepted_tokens} accepted, per position {v.num_accepted_tokens_per_pos}")
     # the same answers, turn by turn (the engine's speculative output and the hf greedy one)
-    answers = [[t["text"] for it in json.loads((tmp_path / x / "report.json").read_text())["items"] for t in it["turns"]]
+    from eagle3.eval.report import SAMPLES
+
+    answers = [[t["text"] for line in (tmp_path / x / SAMPLES).read_text().splitlines() for t in json.loads(line)["turns"]]
                for x in ("v", "h")]
     assert answers[0] == answers[1]
 

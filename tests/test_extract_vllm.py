@@ -210,7 +210,8 @@ def test_vllm_prompt_past_the_context_names_the_sample(tiny_llama_dir, tmp_path)
     rows = random_samples(1000, [20, limit], seed=1)
     write_prepared(tmp_path / "prep", {"train": rows})
     with pytest.raises(ValueError, match=f"1 sample\\(s\\) longer than the engine allows .*{sample_id(*rows[1])} \\({limit} tokens\\)"):
-        run_extract(tiny_llama_dir, tmp_path / "prep", tmp_path / "v", ExtractConfig(backend="vllm"), show_progress=False)
+        run_extract(tiny_llama_dir, tmp_path / "prep", tmp_path / "v", ExtractConfig(backend="vllm", aux_layer_ids=[1, 3, 4]),
+                    show_progress=False)
 
 
 @pytest.mark.parametrize("fam", ["llama-3.1", "qwen3", "kimi-k2.5"])
