@@ -179,7 +179,7 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     assert (v.num_drafts, v.num_accepted_tokens, v.generated_tokens) == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens)
     assert v.per_position_acceptance == h.per_position_acceptance and v.acceptance_length == h.acceptance_length
     assert v.num_drafts > 0 and 1.0 <= v.acceptance_length <= 4.0
-    print(f"\n{fam}: {v.num_drafts} drafts, {v.num_accepted_tokens} accepted, per position {v.num_accepted_tokens_per_pos}")
+    print(f"\n{fam}: {v.num_drafts} drafts, {v.num_accepted_tokens} accepted, per position {v.per_position_acceptance}")
     # the same answers, turn by turn (the engine's speculative output and the hf greedy one)
     from eagle3.eval.report import SAMPLES
 
