@@ -175,6 +175,12 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     cfg = EvalConfig(prompts=str(p), k=3, max_new_tokens=24, threads=1)
     v = evaluate(model, draft, tmp_path / "v", cfg.model_copy(update={"backend": "vllm", "engine_args": ENGINE}))
     h = evaluate(model, draft, tmp_path / "h", cfg)
+    if fam == "smollm2":  # the fake engine, checked against the real one on a case both run
+        with pytest.MonkeyPatch.context() as m:
+            m.setitem(sys.modules, "vllm", fake_vllm(model))
+            f = evaluate(model, draft, tmp_path / "f", cfg.model_copy(update={"backend": "vllm"}))
+        assert (f.num_drafts, f.num_accepted_tokens, f.per_position_acceptance) == \
+            (v.num_drafts, v.num_accepted_tokens, v.per_position_acceptance)
     assert v.backend == "vllm" and v.lossless and h.lossless and v.num_turns == h.num_turns == 3
     assert (v.num_drafts, v.num_accepted_tokens, v.generated_tokens) == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens)
     assert v.per_position_acceptance == h.per_position_acceptance and v.acceptance_length == h.acceptance_length
@@ -188,9 +194,9 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     assert answers[0] == answers[1]
 
 
-@pytest.mark.parametrize("fam", ["qwen3", "kimi-k2.5"])
+@pytest.mark.parametrize("fam", ["kimi-k2.5"])  # the real engine runs Qwen3 and Llama-3.1 (above); not this layout
 def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, monkeypatch):
-    """The vLLM eval path on a padded-vocab Qwen3 and a Kimi-K2.5 layout (wrapper, custom tokenizer) equals the hf path."""
+    """On the fake engine, the vLLM eval path on the Kimi-K2.5 layout (wrapper, custom tokenizer) equals the hf path."""
     from test_evaluate import random_draft, write_native
 
     from eagle3.eval.run import evaluate

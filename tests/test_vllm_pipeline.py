@@ -1,10 +1,11 @@
 """The whole pipeline with `backend: vllm` on the real engine, then the head served as the pipeline says.
 
-One `eagle3 run` (a real embedded Prefect server, the user's command) on the tiny Llama-3.1 checkpoint:
-regenerate, extract and eval run on vLLM's CPU engine, training under torchrun. Then the exact command
-the run prints under "serve it:" starts vLLM's OpenAI server with the trained head; chat replies
-through the `openai` client must equal the target's own greedy answers, and the server's /metrics must
-count accepted draft tokens.
+One `eagle3 run` (a real embedded Prefect server, the user's command) on SmolLM2: regenerate, extract and
+eval run on vLLM's CPU engine, training under torchrun. The head is trained for many epochs on the
+target's own answers to 24 questions, so it has learnt them and is accepted when asked them again. Then
+the exact command the run prints under "serve it:" starts vLLM's OpenAI server with the trained head;
+chat replies through the `openai` client must equal the target's own greedy answers, and the server's
+/metrics must count accepted draft tokens.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ ENGINE = {"enforce_eager": True}  # tests/engine.py: start in ~45 s instead of ~
 
 
 @pytest.fixture(scope="module")
-def vllm_run(family_dirs, tmp_path_factory):
+def vllm_run(smollm2_dir, tmp_path_factory):
     from prefect_service import chat
 
     root = tmp_path_factory.mktemp("vllm-run")
@@ -34,12 +35,12 @@ def vllm_run(family_dirs, tmp_path_factory):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}: what is {i} plus {i}?"}) + "\n" for i in (3, 7)))
     cfg = {
-        "model": str(family_dirs["llama-3.1"]), "run_dir": str(root / "run"),
-        "regenerate": {"backend": "vllm", "max_new_tokens": 24, "engine_args": ENGINE},
+        "model": str(smollm2_dir), "run_dir": str(root / "run"),
+        "regenerate": {"backend": "vllm", "max_new_tokens": 32, "engine_args": ENGINE},
         "prepare": {"data": str(data), "draft_vocab": 512, "val_fraction": 0.1},
         "extract": {"backend": "vllm", "engine_args": ENGINE},
-        "train": {"ttt_steps": 3, "epochs": 30, "pack_tokens": 256, "lr": 3e-3, "warmup_steps": 5, "threads": 1,
-                  "val_every": 50, "replay_prompts": 2},
+        "train": {"ttt_steps": 3, "epochs": 40, "pack_tokens": 512, "lr": 3e-3, "warmup_steps": 5, "val_every": 1000,
+                  "replay_prompts": 2},
         "eval": {"backend": "vllm", "prompts": str(prompts), "k": 3, "max_new_tokens": 24, "engine_args": ENGINE},
     }
     (root / "run.yaml").write_text(yaml.safe_dump(cfg))
@@ -57,11 +58,11 @@ def test_pipeline_runs_every_engine_stage_on_vllm(vllm_run):
     root, cfg, out = vllm_run
     run = root / "run"
     hidden = HiddenStates.read(run / "extract")
-    assert hidden.backend == "vllm" and hidden.layer_ids == [2, 4, 5, 8] and hidden.num_samples > 0
+    assert hidden.backend == "vllm" and hidden.layer_ids == [2, 15, 27, 30] and hidden.num_samples > 0
     regen = json.loads((run / "regenerate" / "manifest.json").read_text())
     assert regen["backend"] == "vllm" and regen["settings"]["dtype"] == "float32"
     r = EvalReport.read(run / "eval")
-    assert r.backend == "vllm" and r.lossless and r.num_drafts > 0 and 1.0 <= r.acceptance_length <= 4.0
+    assert r.backend == "vllm" and r.lossless and r.num_drafts > 0 and 1.0 < r.acceptance_length <= 4.0
     assert "serve it: VLLM_CPU_KVCACHE_SPACE=2 " in out
 
 
@@ -84,7 +85,7 @@ def test_served_head_answers_as_the_target_and_counts_accepted_tokens(vllm_run):
     # the printed command as is, plus where to listen and no compile warm-up (start-up time only)
     cmd = f"{line} --host 127.0.0.1 --port {port} --enforce-eager"
     log = open(root / "serve.log", "w")
-    proc = subprocess.Popen(["bash", "-c", f"exec {cmd}"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(["bash", "-c", cmd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 600
@@ -105,13 +106,13 @@ def test_served_head_answers_as_the_target_and_counts_accepted_tokens(vllm_run):
         tok = target.tokenizer()
         lm = target.load_model(head=True).eval()
         eos = sorted(target.stop_ids())
-        questions = ["question 5: what is 5 plus 5?", "question 11: what is 11 plus 11?", "Say something."]
+        questions = ["question 5: what is 5 plus 5?", "question 11: what is 11 plus 11?", "question 20: what is 20 plus 20?"]
         for q in questions:
             msgs = [{"role": "user", "content": q}]
-            reply = client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=24)
+            reply = client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=32)
             ids = torch.tensor([prompt_ids(tok, msgs)])
             with torch.no_grad():
-                g = lm.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+                g = lm.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
             want = tok.decode([t for t in g[0, ids.shape[1]:].tolist() if t not in eos], skip_special_tokens=True)
             assert reply.choices[0].message.content == want, q
 
@@ -127,9 +128,13 @@ def test_served_head_answers_as_the_target_and_counts_accepted_tokens(vllm_run):
         print(f"\nserved head: {accepted:.0f} draft tokens accepted in {drafts:.0f} drafts "
               f"(tau {1 + accepted / drafts:.3f})")
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # the shell, the server and its engine processes
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=60)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
         log.close()
