@@ -70,6 +70,14 @@ def cpu_engine_env(tensor_parallel_size: int = 1, kv_cache_gib: int = 2) -> dict
 _SET: dict[str, str] = {}  # what cpu_engine_env last set, so the next engine (another TP) may change it
 
 
+def shutdown(llm: Any) -> None:
+    """Stop an `LLM`'s engine processes now. Otherwise they live until the object is collected, often at
+    interpreter exit: the next stage's engine would start beside them and find the memory taken."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
 def speculative_config(draft_dir: str, k: int) -> dict[str, Any]:
     """vLLM's `speculative_config` that serves an EAGLE-3 head as is (always name the method)."""
     return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}

@@ -18,3 +18,17 @@ def assert_stores_close(a, b, rtol: float, atol: float) -> None:
         assert torch.equal(x["input_ids"], y["input_ids"])
         for key in ("aux_hidden_states", "final_hidden_states"):
             torch.testing.assert_close(x[key].float(), y[key].float(), rtol=rtol, atol=atol, msg=lambda m: f"sample {i} {key}: {m}")
+
+
+def engine_processes() -> list[str]:
+    """vLLM engine processes still running under this one (an engine a stage built must be stopped by it)."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "VLLM" in " ".join(p.cmdline() + [p.name()]):
+                out.append(f"{p.pid} {p.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return out

@@ -235,6 +235,32 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     print(f"\nrun A (hop + retry) {t_a:.1f} s, run B (cached) {t_b:.1f} s, nightly {t_c:.1f} s, load drill {t_d:.1f} s")
 
 
+@pytest.mark.vllm
+def test_deployed_run_with_the_vllm_backend_on_the_gpu_pool(service, client, family_dirs, tmp_path):
+    """As deployed, with `backend: vllm` for extraction and eval: both stages hop to the gpu pool's process
+    worker and run on the real vLLM engine there (the CPU build here), on the tiny Qwen3 checkpoint."""
+    from eagle3.manifests import EvalReport, HiddenStates
+
+    data, prompts = tiny_inputs(tmp_path)
+    eager = {"enforce_eager": True}  # tests/engine.py: an engine starts in ~45 s instead of ~150 s
+    cfg = PipelineConfig(
+        model=str(family_dirs["qwen3"]), run_dir=str(tmp_path / "run"),
+        prepare=PrepareConfig(data=str(data), draft_vocab=256, val_fraction=0.2),
+        extract=ExtractConfig(backend="vllm", engine_args=eager),
+        train=TrainConfig(ttt_steps=2, max_steps=2, pack_tokens=128, threads=1, val_every=1, ckpt_every=1),
+        eval=EvalConfig(prompts=str(prompts), k=2, max_new_tokens=6, backend="vllm", engine_args=eager),
+    )
+    run = trigger(client, "eagle3-pipeline/eagle3-pipeline", {"config": cfg.model_dump(mode="json")}, timeout=900)
+    assert run.state.is_completed(), logs(client, run)[-4000:]
+    children = {c.name: c for c in subflows(client, run)}
+    assert {n for n in children} == {f"{s} · {run.name}" for s in ("extract", "train", "eval")}
+    assert {c.work_pool_name for c in children.values()} == {"gpu"}
+    assert {c.state.name for c in children.values()} == {"Completed"}
+    hidden, report = HiddenStates.read(cfg.stage_dir("extract")), EvalReport.read(cfg.stage_dir("eval"))
+    assert hidden.backend == "vllm" and hidden.num_samples > 0
+    assert report.backend == "vllm" and report.lossless and report.num_drafts > 0
+
+
 def load_drill(service, client, cfg: PipelineConfig, night_params: dict, night_dir: Path) -> float:
     """D. With the `gpus` limit at 1 (a one-GPU host), submitted at once: A's config in a new run dir, a
     variant (another draft vocab, fp8 storage, k=3 training), and C's nightly in a new root; every stage in

@@ -161,7 +161,7 @@ def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypa
 def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     """The real engine (fp32 on CPU) serves a random head as is, and its own spec-decode counters give the same
     drafts, accepted tokens, per-position counts and answers as the hf evaluator on the same head and prompts."""
-    from engine import ENGINE
+    from engine import ENGINE, engine_processes
     from test_evaluate import random_draft, write_native
 
     from eagle3.eval.run import evaluate
@@ -174,6 +174,7 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
                  + json.dumps({"prompt": "Count from one to ten."}) + "\n")
     cfg = EvalConfig(prompts=str(p), k=3, max_new_tokens=24, threads=1)
     v = evaluate(model, draft, tmp_path / "v", cfg.model_copy(update={"backend": "vllm", "engine_args": ENGINE}))
+    assert engine_processes() == []  # both engines stopped once measured
     h = evaluate(model, draft, tmp_path / "h", cfg)
     if fam == "smollm2":  # the fake engine, checked against the real one on a case both run
         with pytest.MonkeyPatch.context() as m:

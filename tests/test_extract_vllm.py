@@ -141,12 +141,13 @@ def test_real_engine_smollm2_equals_hf_the_fake_and_resumes(smollm2_dir, tmp_pat
     import sys
     import time
 
-    from engine import ENGINE, assert_stores_close
+    from engine import ENGINE, assert_stores_close, engine_processes
 
     _chat_prep(smollm2_dir, tmp_path / "prep", n=6)
     # 64 KiB shards: one or two samples each, so the kill below lands between shards
     cfg = ExtractConfig(backend="vllm", storage="fp32", shard_bytes=1 << 16, engine_args=ENGINE)
     v = run_extract(smollm2_dir, tmp_path / "prep", tmp_path / "v", cfg, show_progress=False)
+    assert engine_processes() == []  # the stage stopped its engine: the next stage's needs the memory
     h = run_extract(smollm2_dir, tmp_path / "prep", tmp_path / "h", ExtractConfig(storage="fp32", shard_bytes=1 << 16),
                     show_progress=False)
     assert v.layer_ids == h.layer_ids == [2, 15, 27, 30] and v.num_tokens == h.num_tokens and len(v.shards) >= 4

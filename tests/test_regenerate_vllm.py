@@ -95,7 +95,7 @@ def test_stop_tokens_kept_or_not_by_vllm_give_the_same_file(tmp_path, tiny_llama
 def test_real_engine_regenerates_the_hf_greedy_answers(tmp_path, smollm2_dir, monkeypatch):
     """SmolLM2 on the real engine (fp32 on CPU, one generate call per wave, prefix caching on) writes the same
     conversations as the hf backend's batched greedy decoding, and as the fake engine does."""
-    from engine import ENGINE
+    from engine import ENGINE, engine_processes
 
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"id": f"r{i}", "messages": m}) + "\n" for i, m in enumerate([
@@ -106,6 +106,7 @@ def test_real_engine_regenerates_the_hf_greedy_answers(tmp_path, smollm2_dir, mo
     ])))
     cfg = RegenConfig(max_new_tokens=24)
     v = regenerate(smollm2_dir, str(src), tmp_path / "vllm", cfg.model_copy(update={"backend": "vllm", "engine_args": ENGINE}))
+    assert engine_processes() == []
     h = regenerate(smollm2_dir, str(src), tmp_path / "hf", cfg)
     assert (v.records_written, v.turns_written) == (h.records_written, h.turns_written) == (3, 4)
     assert v.settings["dtype"] == h.settings["dtype"] == "float32"

@@ -29,7 +29,7 @@ from eagle3.eval.prompts import load_prompts
 from eagle3.eval.report import finish_report
 from eagle3.formats import draft_format
 from eagle3.manifests import EvalReport
-from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype, speculative_config
+from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype, shutdown, speculative_config
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -117,6 +117,8 @@ def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path,
         n_spec, t_spec = n_spec + sum(map(len, got)), t_spec + s.seconds
         items.append(compare(conv, ref, got, tok))
     stats = stats_between(before, spec_counters(spec.get_metrics()), k)
+    for llm in (base, spec):
+        shutdown(llm)
     report = summarize(k, convs, stats, items, (n_spec, t_spec), (n_plain, t_plain), max_new_tokens)
     report.update(mode="live", backend="vllm", draft_format=fmt, prompts=str(cfg.prompts),
                   wall_seconds=time.perf_counter() - t0)

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import ExtractConfig
-from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype
+from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype, shutdown
 
 # Our subclass of vLLM's ExampleHiddenStatesConnector: the stock write path on CUDA, a synchronous
 # one on a CPU engine (the stock one needs CUDA streams and pinned memory). vLLM imports it by path.
@@ -176,4 +176,5 @@ class VllmBackend:
                 on_tokens(int(tok.numel()))
 
     def close(self) -> None:
+        shutdown(self.llm)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)

@@ -272,7 +272,8 @@ def regenerate(
     tok = target.tokenizer()
     eos = target.stop_ids()
     max_len = cfg.max_len or target.max_position_embeddings
-    if generator is None:
+    own = generator is None  # an engine built here is stopped here, once the answers are written
+    if own:
         generator = make_generator(target, cfg, max_len, eos)
     settings = cfg.settings(generator.dtype, max_len)
     signature = sha256_json({"format": FORMAT, "inputs": fp, "settings": settings, "limit": cfg.limit,
@@ -348,6 +349,8 @@ def regenerate(
             progress({"records_read": st.records_read, "records_written": st.records_written,
                       "tokens_generated": generated_tokens, "tokens_per_second": generated_tokens / dt})
 
+    if own and hasattr(generator, "close"):
+        generator.close()
     if st.records_written == 0:
         raise ValueError(f"{data}: no conversation could be regenerated among {st.records_read} read; "
                          f"skipped: {st.skipped}; examples: {st.skip_examples}")

@@ -28,7 +28,7 @@ from typing import Any
 
 from eagle3.config import RegenConfig
 from eagle3.generate import Gen
-from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype
+from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype, shutdown
 
 
 def llm_kwargs(model: str | Path, cfg: RegenConfig, max_len: int, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -86,3 +86,6 @@ class VllmGenerator:
                 ids = ids[:-1]  # vLLM keeps a non-special stop token; the hf backend never does
             res.append(Gen(ids, "stop" if stop else "length"))
         return res
+
+    def close(self) -> None:
+        shutdown(self.llm)
