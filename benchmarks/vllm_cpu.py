@@ -6,7 +6,7 @@ Prints, then one JSON object as the last line:
 - extract: tokens/s of `eagle3 extract` with --backend vllm (default engine, compiled) and --backend hf
   on the same prepared samples, run one after the other in this process; the vLLM rate is given with
   and without its engine start, and the ratio vllm / hf on the steady rate;
-- decode (with --draft): vLLM's greedy decoding of MT-Bench questions with the head (k drafts) and
+- decode (with --draft): vLLM's greedy decoding of MT-Bench questions (or --eval-prompts) with the head (k drafts) and
   without it, from `eagle3 eval --backend vllm` (the two engines decode the same prompts in turn):
   tokens/s each, the speedup, tau and whether the output was lossless.
 
@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--draft", default=None, help="an EAGLE-3 head for the decoding part (skipped without one)")
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=4, help="MT-Bench questions decoded (both turns)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts decoded (MT-Bench: both turns of each question)")
+    ap.add_argument("--eval-prompts", default="mt-bench", help="what eval --prompts takes: mt-bench or a JSONL file")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip-start", action="store_true", help="leave out the engine start timings")
     a = ap.parse_args()
@@ -83,7 +84,7 @@ def main() -> None:
         if a.draft:
             from eagle3.eval.run import evaluate
 
-            r = evaluate(a.model, a.draft, tmp / "eval", EvalConfig(backend="vllm", k=a.k, limit=a.prompts,
+            r = evaluate(a.model, a.draft, tmp / "eval", EvalConfig(backend="vllm", k=a.k, limit=a.prompts, prompts=a.eval_prompts,
                                                                      max_new_tokens=a.max_new_tokens))
             res["decode"] = {"k": a.k, "spec_tok_s": r.tokens_per_second, "plain_tok_s": r.target_tokens_per_second,
                              "speedup": r.speedup_vs_target, "tau": r.acceptance_length, "lossless": r.lossless,

@@ -87,6 +87,20 @@ class _Cfg(BaseModel):
         return data
 
 
+VllmDtype = Literal["auto", "float32", "bfloat16"]
+
+
+def vllm_dtype_field(why: str) -> Any:
+    """The `dtype` of a stage that runs on vLLM only."""
+    return Field("auto", description=f"vllm: the engine's compute dtype; auto = bf16 on a GPU, fp32 on a CPU engine {why}")
+
+
+def engine_args_field() -> Any:
+    """`engine_args`, which every stage with a vllm backend has."""
+    return Field({}, description="vllm: more vllm.LLM arguments, given over eagle3's own, e.g. enforce_eager true "
+                 "(no compile at start-up: faster to start, slower to run) or max_num_seqs; on the command line as JSON")
+
+
 class PrepareConfig(_Cfg):
     """Stage 1: render conversations with the target's chat template, mask, split, build the vocab map."""
 
@@ -136,14 +150,8 @@ class ExtractConfig(_Cfg):
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM PP size")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vLLM gpu_memory_utilization")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="vLLM max_num_batched_tokens; empty: vLLM's default")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="vllm: the engine's compute dtype; auto = bf16 on a GPU, fp32 on a CPU engine "
-        "(equal to the hf backend there to float noise)",
-    )
-    engine_args: dict[str, Any] = Field(
-        {}, description="vllm: more vllm.LLM arguments, given over eagle3's own, e.g. enforce_eager true (no "
-        "compile at start-up: faster to start, slower to run) or max_num_seqs; on the command line as JSON",
-    )
+    dtype: VllmDtype = vllm_dtype_field("(equal to the hf backend there to float noise)")
+    engine_args: dict[str, Any] = engine_args_field()
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -286,14 +294,8 @@ class EvalConfig(_Cfg):
     gpu_memory_utilization: float = Field(
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
     )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="vllm: the engines' compute dtype; auto = bf16 on a GPU, fp32 on a CPU engine (where "
-        "its drafts and acceptance equal the hf evaluator's)",
-    )
-    engine_args: dict[str, Any] = Field(
-        {}, description="vllm: more vllm.LLM arguments, given over eagle3's own, e.g. enforce_eager true (no "
-        "compile at start-up: faster to start, slower to run) or max_num_seqs; on the command line as JSON",
-    )
+    dtype: VllmDtype = vllm_dtype_field("(where its drafts and acceptance equal the hf evaluator's)")
+    engine_args: dict[str, Any] = engine_args_field()
     threads: int | None = Field(
         None, ge=1, description="hf: torch CPU threads for decoding (batch 1, latency-bound); empty: torch's default; "
         "1 is fastest on a loaded shared CPU",
@@ -337,10 +339,7 @@ class RegenConfig(_Cfg):
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: TP size")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vllm: gpu_memory_utilization")
-    engine_args: dict[str, Any] = Field(
-        {}, description="vllm: more vllm.LLM arguments, given over eagle3's own, e.g. enforce_eager true (no "
-        "compile at start-up: faster to start, slower to run) or max_num_seqs; on the command line as JSON",
-    )
+    engine_args: dict[str, Any] = engine_args_field()
 
     def settings(self, dtype: str, max_len: int) -> dict:
         """What changes the regenerated text: part of every record's provenance and reuse key.

@@ -20,15 +20,22 @@ def assert_stores_close(a, b, rtol: float, atol: float) -> None:
             torch.testing.assert_close(x[key].float(), y[key].float(), rtol=rtol, atol=atol, msg=lambda m: f"sample {i} {key}: {m}")
 
 
-def engine_processes() -> list[str]:
-    """vLLM engine processes still running under this one (an engine a stage built must be stopped by it)."""
+def engine_processes(wait: float = 15.0) -> list[str]:
+    """vLLM engine processes still running under this one after `wait` seconds (an engine a stage built must be
+    stopped by it; vLLM's shutdown signals its processes and may return before they are gone)."""
+    import time
+
     import psutil
 
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "VLLM" in " ".join(p.cmdline() + [p.name()]):
-                out.append(f"{p.pid} {p.name()}")
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    deadline = time.time() + wait
+    while True:
+        out = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and "VLLM" in " ".join(p.cmdline() + [p.name()]):
+                    out.append(f"{p.pid} {p.name()}")
+            except psutil.NoSuchProcess:
+                pass
+        if not out or time.time() > deadline:
+            return out
+        time.sleep(0.2)

@@ -130,7 +130,7 @@ def run_cli(cfg: PipelineConfig, tmp: Path) -> dict:
     r = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(path)], capture_output=True,
                        text=True, cwd=REPO, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "tau (acceptance length) =" in r.stdout and "serve it: vllm serve" in r.stdout
+    assert "tau (acceptance length) =" in r.stdout and "-m vllm.entrypoints.openai.api_server --model" in r.stdout
     return json.loads(r.stdout[: r.stdout.index("\ntau (acceptance length)")])
 
 

@@ -40,7 +40,7 @@ def vllm_run(smollm2_dir, tmp_path_factory):
         "prepare": {"data": str(data), "draft_vocab": 512, "val_fraction": 0.1},
         "extract": {"backend": "vllm", "engine_args": ENGINE},
         "train": {"ttt_steps": 3, "epochs": 40, "pack_tokens": 512, "lr": 3e-3, "warmup_steps": 5, "val_every": 1000,
-                  "replay_prompts": 2},
+                  "replay_prompts": 0},
         "eval": {"backend": "vllm", "prompts": str(prompts), "k": 3, "max_new_tokens": 24, "engine_args": ENGINE},
     }
     (root / "run.yaml").write_text(yaml.safe_dump(cfg))
