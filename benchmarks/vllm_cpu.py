@@ -3,7 +3,7 @@
 Prints, then one JSON object as the last line:
 - start_s: seconds to build `vllm.LLM(...)` for the target, eager and with vLLM's default torch.compile
   warm-up (a fresh compile cache, so the cold cost a first run pays);
-- extract: tokens/s of `eagle3 extract` with --backend vllm (default engine, compiled) and --backend hf
+- extract: tokens/s of `eagle3 extract` with --backend vllm (compiled, or eager with --eager) and --backend hf
   on the same prepared samples, run one after the other in this process; the vLLM rate is given with
   and without its engine start, and the ratio vllm / hf on the steady rate;
 - decode (with --draft): vLLM's greedy decoding of MT-Bench questions (or --eval-prompts) with the head (k drafts) and
@@ -25,7 +25,7 @@ from eagle3.assets import materialize_smollm2
 from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig
 from eagle3.data.prepare import prepare
 from eagle3.extract import run_extract
-from eagle3.vllm_engine import cpu_engine_env, import_vllm
+from eagle3.vllm_engine import cpu_engine_env, import_vllm, shutdown
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def start_seconds(model: str, eager: bool) -> float:
     t0 = time.perf_counter()
     llm = vllm.LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=eager)
     s = time.perf_counter() - t0
-    del llm
+    shutdown(llm)
     return s
 
 
@@ -48,9 +48,11 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="an EAGLE-3 head for the decoding part (skipped without one)")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4, help="prompts decoded (MT-Bench: both turns of each question)")
-    ap.add_argument("--eval-prompts", default="mt-bench", help="what eval --prompts takes: mt-bench or a JSONL file")
+    ap.add_argument("--eval-prompts", default="mt-bench",
+                    help="comma-separated prompt sources, each decoded in turn (what eval --prompts takes: mt-bench, a JSONL file)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip-start", action="store_true", help="leave out the engine start timings")
+    ap.add_argument("--eager", action="store_true", help="extraction and decoding on eager engines (enforce_eager)")
     a = ap.parse_args()
     if a.model == str(REPO / "assets" / "smollm2"):
         materialize_smollm2(a.model)
@@ -65,15 +67,17 @@ def main() -> None:
         prep = prepare(a.model, tmp / "prep", PrepareConfig(limit=a.limit, max_len=a.max_len, val_fraction=0.0,
                                                             min_val=0, draft_vocab=8192))
         ext = {}
-        for name, cfg in (("vllm", ExtractConfig(backend="vllm", splits=["train"])),
+        engine = {"enforce_eager": True} if a.eager else {}
+        res["eager"] = a.eager
+        for name, cfg in (("vllm", ExtractConfig(backend="vllm", splits=["train"], engine_args=engine)),
                           ("hf", ExtractConfig(splits=["train"]))):
             t0 = time.perf_counter()
             m = run_extract(a.model, tmp / "prep", tmp / name, cfg, show_progress=False)
             wall = time.perf_counter() - t0
             ext[name] = {"tokens": m.num_tokens, "wall_s": wall, "tok_s_wall": m.num_tokens / wall}
         v = ext["vllm"]
-        # the engine's start, measured above on the same model (compiled), is not extraction work
-        start = res.get("start_s", {}).get("compiled", 0.0)
+        # the engine's start, measured above on the same model, is not extraction work
+        start = res.get("start_s", {}).get("eager" if a.eager else "compiled", 0.0)
         v["tok_s_steady"] = v["tokens"] / max(v["wall_s"] - start, 1e-9)
         ext["ratio_vllm_over_hf"] = v["tok_s_steady"] / ext["hf"]["tok_s_wall"]
         res["extract"] = ext
@@ -84,13 +88,18 @@ def main() -> None:
         if a.draft:
             from eagle3.eval.run import evaluate
 
-            r = evaluate(a.model, a.draft, tmp / "eval", EvalConfig(backend="vllm", k=a.k, limit=a.prompts, prompts=a.eval_prompts,
-                                                                     max_new_tokens=a.max_new_tokens))
-            res["decode"] = {"k": a.k, "spec_tok_s": r.tokens_per_second, "plain_tok_s": r.target_tokens_per_second,
-                             "speedup": r.speedup_vs_target, "tau": r.acceptance_length, "lossless": r.lossless,
-                             "per_position": r.per_position_acceptance}
-            print(f"decode k={a.k}: spec {r.tokens_per_second:.1f} tok/s, plain {r.target_tokens_per_second:.1f} "
-                  f"tok/s, speedup {r.speedup_vs_target:.2f}x, tau {r.acceptance_length:.3f}, lossless {r.lossless}")
+            res["decode"] = []
+            for i, src in enumerate(a.eval_prompts.split(",")):
+                r = evaluate(a.model, a.draft, tmp / f"eval{i}", EvalConfig(
+                    backend="vllm", k=a.k, limit=a.prompts, prompts=src, max_new_tokens=a.max_new_tokens,
+                    engine_args=engine))
+                res["decode"].append({"prompts": src, "k": a.k, "spec_tok_s": r.tokens_per_second,
+                                      "plain_tok_s": r.target_tokens_per_second, "speedup": r.speedup_vs_target,
+                                      "tau": r.acceptance_length, "lossless": r.lossless,
+                                      "per_position": r.per_position_acceptance})
+                print(f"decode k={a.k} on {src}: spec {r.tokens_per_second:.1f} tok/s, plain "
+                      f"{r.target_tokens_per_second:.1f} tok/s, speedup {r.speedup_vs_target:.2f}x, "
+                      f"tau {r.acceptance_length:.3f}, lossless {r.lossless}")
     print(json.dumps(res))
 
 

@@ -243,6 +243,7 @@ def test_deployed_run_with_the_vllm_backend_on_the_gpu_pool(service, client, fam
     from eagle3.manifests import EvalReport, HiddenStates
 
     service.setup(8)  # the load drill above left the `gpus` limit at 1; the gpu pool's deployments take 8
+    service.marker.touch()  # the gpu worker's injected extraction failure is spent (run A retries it)
     data, prompts = tiny_inputs(tmp_path)
     eager = {"enforce_eager": True}  # tests/engine.py: an engine starts in ~45 s instead of ~150 s
     cfg = PipelineConfig(
