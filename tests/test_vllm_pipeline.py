@@ -1,7 +1,7 @@
 """The whole pipeline with `backend: vllm` on the real engine, then the head served as the pipeline says.
 
 One `eagle3 run` (a real embedded Prefect server, the user's command) on SmolLM2: regenerate, extract and
-eval run on vLLM's CPU engine, training under torchrun. The head is trained for many epochs on the
+eval run on vLLM's CPU engine, training under torchrun. The head is trained for 15 epochs on the
 target's own answers to 24 questions, so it has learnt them and is accepted when asked them again. Then
 the exact command the run prints under "serve it:" starts vLLM's OpenAI server with the trained head;
 chat replies through the `openai` client must equal the target's own greedy answers, and the server's
@@ -39,7 +39,7 @@ def vllm_run(smollm2_dir, tmp_path_factory):
         "regenerate": {"backend": "vllm", "max_new_tokens": 32, "engine_args": ENGINE},
         "prepare": {"data": str(data), "draft_vocab": 512, "val_fraction": 0.1},
         "extract": {"backend": "vllm", "engine_args": ENGINE},
-        "train": {"ttt_steps": 3, "epochs": 40, "pack_tokens": 512, "lr": 3e-3, "warmup_steps": 5, "val_every": 1000,
+        "train": {"ttt_steps": 3, "epochs": 15, "pack_tokens": 512, "lr": 3e-3, "warmup_steps": 5, "val_every": 1000,
                   "replay_prompts": 0},
         "eval": {"backend": "vllm", "prompts": str(prompts), "k": 3, "max_new_tokens": 24, "engine_args": ENGINE},
     }
