@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage here, in the git-ignored folder .gpu/, what benchmarks/gpu_check.py needs on the lent GPU
+# Stage here, in the git-ignored folder .gpu/, what benchmarks/gpu_check.py needs on a GPU
 # machine, whose image has torch, transformers, pyarrow, safetensors, pyyaml and pytest but no
 # pydantic, and which reaches no network:
 #   .gpu/wheels/  pydantic and its dependencies as Python 3.12 x86-64 wheels (eagle3's configs and

@@ -32,7 +32,7 @@ what it had measured, marked partial. Writes OUT/gpu_check.json (rewritten after
 so a cut-off run keeps what finished) and OUT/gpu_check.log (everything printed, children
 included). Exit status 1 when a check fails or a section errs or times out.
 
-On a lent H200 (the device tool's `run`; its image has torch, transformers, pyarrow,
+On an H200 machine without network access (an image with torch, transformers, pyarrow,
 safetensors, pyyaml, pytest but no pydantic): first, here, `benchmarks/fetch_gpu_wheels.sh`
 (writes the ignored folder .gpu/: pydantic's wheels for Python 3.12 and the small test assets
 the gpu tests need), then one call, with carry [".gpu"] and timeout_s 540:
