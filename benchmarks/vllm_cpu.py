@@ -25,16 +25,15 @@ from eagle3.assets import materialize_smollm2
 from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig
 from eagle3.data.prepare import prepare
 from eagle3.extract import run_extract
-from eagle3.vllm_engine import cpu_engine_env, import_vllm, shutdown
+from eagle3.vllm_engine import import_vllm, shutdown, start_engine
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def start_seconds(model: str, eager: bool) -> float:
-    vllm = import_vllm("benchmarks/vllm_cpu.py")
-    cpu_engine_env()
+    import_vllm("benchmarks/vllm_cpu.py")  # the import is not part of an engine's start
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=eager)
+    llm = start_engine("benchmarks/vllm_cpu.py", model=model, dtype="float32", max_model_len=2048, enforce_eager=eager)
     s = time.perf_counter() - t0
     shutdown(llm)
     return s

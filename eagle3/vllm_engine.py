@@ -46,28 +46,35 @@ def resolve_dtype(choice: str) -> str:
     return "float32" if on_cpu() else "bfloat16"
 
 
-def cpu_engine_env(tensor_parallel_size: int = 1, kv_cache_gib: int = 2) -> dict[str, str]:
-    """Set the CPU engine's thread binding and KV cache size (unless the user did); returns what it set.
+CPU_KV_CACHE_GIB = 2  # the CPU engine's KV cache, host memory (VLLM_CPU_KVCACHE_SPACE)
+_SET: dict[str, str] = {}  # what cpu_engine_env last set, so the next engine (another TP) may change it
+
+
+def cpu_engine_env(tensor_parallel_size: int = 1) -> None:
+    """Set the CPU engine's thread binding and KV cache size, unless the user did.
 
     With TP=N the cores are split into N contiguous groups, one per rank. On a GPU host nothing is set.
     """
     if not on_cpu():
-        return {}
+        return
     n = os.cpu_count() or 1
     tp = max(1, tensor_parallel_size)
     if tp > n:
         raise ValueError(f"tensor_parallel_size={tp} on a CPU engine needs a core per rank; this machine has {n}")
     per = n // tp
     groups = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tp)]
-    want = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(groups), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
-    done = {}
+    want = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(groups), "VLLM_CPU_KVCACHE_SPACE": str(CPU_KV_CACHE_GIB)}
     for k, v in want.items():
         if k not in os.environ or os.environ[k] == _SET.get(k):  # the user's own setting wins
-            os.environ[k] = _SET[k] = done[k] = v
-    return done
+            os.environ[k] = _SET[k] = v
 
 
-_SET: dict[str, str] = {}  # what cpu_engine_env last set, so the next engine (another TP) may change it
+def start_engine(feature: str, **kwargs: Any) -> Any:
+    """`vllm.LLM(**kwargs)`, with the CPU engine's settings in place first (they are read at start-up).
+    Every TP x PP rank is a process with its own cores there."""
+    vllm = import_vllm(feature)
+    cpu_engine_env(kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1))
+    return vllm.LLM(**kwargs)
 
 
 def shutdown(llm: Any) -> None:
@@ -98,4 +105,4 @@ def serve_command(model: str, draft_dir: str, k: int) -> str:
            "--speculative-config", json.dumps(speculative_config(draft_dir, k))]
     if not on_cpu():
         return shlex.join(cmd)
-    return "VLLM_CPU_KVCACHE_SPACE=2 " + shlex.join(cmd + ["--dtype", resolve_dtype("auto")])
+    return f"VLLM_CPU_KVCACHE_SPACE={CPU_KV_CACHE_GIB} " + shlex.join(cmd + ["--dtype", resolve_dtype("auto")])

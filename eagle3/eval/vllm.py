@@ -29,7 +29,7 @@ from eagle3.eval.prompts import load_prompts
 from eagle3.eval.report import finish_report
 from eagle3.formats import draft_format
 from eagle3.manifests import EvalReport
-from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype, shutdown, speculative_config
+from eagle3.vllm_engine import import_vllm, resolve_dtype, shutdown, speculative_config, start_engine
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -92,9 +92,8 @@ def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path,
     common = dict(model=str(model_dir), dtype=resolve_dtype(cfg.dtype), gpu_memory_utilization=cfg.gpu_memory_utilization,
                   enable_prefix_caching=False, disable_log_stats=False, trust_remote_code=trust_remote_code,
                   **cfg.engine_args)
-    cpu_engine_env()
-    base = vllm.LLM(**common)
-    spec = vllm.LLM(**common, speculative_config=speculative_config(draft_dir, k))
+    base = start_engine("eval --backend vllm", **common)
+    spec = start_engine("eval --backend vllm", **common, speculative_config=speculative_config(draft_dir, k))
     sp = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
 
     def gen(llm):

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import ExtractConfig
-from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype, shutdown
+from eagle3.vllm_engine import import_vllm, resolve_dtype, shutdown, start_engine
 
 # Our subclass of vLLM's ExampleHiddenStatesConnector: the stock write path on CUDA, a synchronous
 # one on a CPU engine (the stock one needs CUDA streams and pinned memory). vLLM imports it by path.
@@ -103,8 +103,8 @@ class VllmBackend:
         self._load: Callable[[str], dict] = conn.load_hidden_states
         self._cleanup: Callable[[str], None] | None = getattr(conn, "cleanup_hidden_states", None)
         self._params = vllm.SamplingParams(max_tokens=1)
-        cpu_engine_env(cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
-        self.llm = vllm.LLM(**llm_kwargs(model, self.layer_ids, cfg, max_len, self.tmp_dir, trust_remote_code))
+        self.llm = start_engine("--backend vllm", **llm_kwargs(model, self.layer_ids, cfg, max_len, self.tmp_dir,
+                                                                 trust_remote_code))
 
     def _remove(self, path: str) -> None:
         if self._cleanup is not None:

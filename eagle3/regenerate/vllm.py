@@ -28,7 +28,7 @@ from typing import Any
 
 from eagle3.config import RegenConfig
 from eagle3.generate import Gen
-from eagle3.vllm_engine import cpu_engine_env, import_vllm, resolve_dtype, shutdown
+from eagle3.vllm_engine import resolve_dtype, shutdown, start_engine
 
 
 def llm_kwargs(model: str | Path, cfg: RegenConfig, max_len: int, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -53,10 +53,8 @@ class VllmGenerator:
     name = "vllm"
 
     def __init__(self, model: str | Path, cfg: RegenConfig, max_len: int, eos: set[int], trust_remote_code: bool = False):
-        vllm = import_vllm("regenerate --backend vllm")
         self.cfg, self.eos, self.dtype = cfg, set(eos), resolve_dtype(cfg.dtype)
-        cpu_engine_env(cfg.tensor_parallel_size)
-        self.llm = vllm.LLM(**llm_kwargs(model, cfg, max_len, trust_remote_code))
+        self.llm = start_engine("regenerate --backend vllm", **llm_kwargs(model, cfg, max_len, trust_remote_code))
 
     def params(self, seeds: Sequence[int]) -> list[Any]:
         from vllm import SamplingParams
