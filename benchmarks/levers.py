@@ -16,7 +16,7 @@ markdown table of every run in it on stdout. Last line: one JSON object.
     .venv/bin/python benchmarks/levers.py --prepare runs/base/prepare --extract runs/base/extract \\
         --verifier runs/base/verifier --root runs/levers --threads 1 [--only baseline,lk] [--list]
     .venv/bin/python benchmarks/levers.py --root runs/levers --score demo=runs/demo/train   # a head trained elsewhere
-    .venv/bin/python benchmarks/levers.py --root runs/levers --table   # every run so far, the README's table
+    .venv/bin/python benchmarks/levers.py --root runs/levers --table   # every run so far, as a table
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
 
 
 def table(root: Path) -> None:
-    """The README table: every lever's newest row in root/results.jsonl, baseline first."""
+    """The levers table: every lever's newest row in root/results.jsonl, baseline first."""
     rows: dict[str, dict] = {}
     for ln in (root / "results.jsonl").read_text().splitlines():
         r = json.loads(ln)

@@ -3,7 +3,7 @@ submitted at once with the `gpus` limit at 1, then each run again alone.
 
     python benchmarks/load.py [--timeout 3600]
 
-The service is the one the README sets up (tests/prefect_service.py): `prefect server start` with
+The service is the one docs/service.md sets up (tests/prefect_service.py): `prefect server start` with
 basic auth on, deployments/setup.py (`--gpus 1`: a one-GPU host), deployments/prefect.yaml deployed,
 a process worker per pool; every stage runs in its run's process on the cpu worker and holds one
 slot while it uses the "GPU". Target: the real SmolLM2-135M-Instruct; data: real ShareGPT

@@ -5,7 +5,7 @@
 Each benchmark is its own process; its last stdout line is one JSON object, copied into the
 results verbatim (flattened into a table), next to the command that produced it. With --only,
 the sections of the other benchmarks are kept from the existing file, each stamped with the
-date and commit it ran at.
+date and commit it ran at; sections no script here writes are kept as they are, after them.
 """
 from __future__ import annotations
 
@@ -126,7 +126,9 @@ def main() -> None:
         print(f"{name}: done in {wall:.0f} s", flush=True)
     head = (f"# Benchmark results\n\nMachine: {machine()}\n\nWritten {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. Every figure below is printed by the "
             "script named above it; ratios are measured side by side in one process where the script says so.\n")
-    order = [n for n in BENCHES if n in sections or n in kept]
+    # the scripts' own sections first; then every other section of the file (hand-run experiments, dated
+    # runs) as it was, in its order: a rerun never drops figures it did not produce
+    order = [n for n in BENCHES if n in sections or n in kept] + [n for n in kept if n not in BENCHES]
     body = [sections.get(n) or kept[n] for n in order]
     sys.path.insert(0, str(REPO))
     from eagle3.atomic import atomic_write_text

@@ -37,7 +37,7 @@ HEADROOM = 1.10               # 10% slack on every disk estimate
 # demo's 290k tokens at 659 tok/s; training ~700 / 1,100 tok/s at k=3, 2048-token packs).
 GPU_PREFILL_FLOPS = 400e12
 GPU_TRAIN_FLOPS = 150e12
-# Measured on the 2-core CPU (README, demo section): prepare 490 conversations/s; eval (hf, one
+# Measured on the 2-core CPU (benchmarks/RESULTS.md, make demo): prepare 490 conversations/s; eval (hf, one
 # thread, k=3) 16 turns x 64 new tokens, speculative and plain greedy, in 137 s = ~15 generated
 # tok/s counting both passes, for SmolLM2-135M; regenerate (hf, batch 8) ~22 tok/s.
 PREPARE_CONV_PER_S = 490

@@ -35,7 +35,7 @@ from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConf
 @pytest.fixture(scope="module")
 def service(request, tmp_path_factory):
     """The service (tests/prefect_service.py) with basic auth on: every client below holds the credentials,
-    as the README's multi-host set-up does. The gpu worker fails extraction once (EAGLE3_FAIL_ONCE)."""
+    as docs/service.md's multi-host set-up does. The gpu worker fails extraction once (EAGLE3_FAIL_ONCE)."""
     home = tmp_path_factory.mktemp("prefect-service")
     marker = home / "extract-failed-once"
     with ps.service(home, gpus=8, worker_env={"gpu": {"EAGLE3_FAIL_ONCE": f"extract:{marker}"}},

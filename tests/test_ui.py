@@ -1,6 +1,6 @@
 """The Prefect UI as a user meets it, in headless Chromium against a real `prefect server start`.
 
-Set up as the README's "Running as a service" says (API URL exported before the server starts,
+Set up as docs/service.md says (API URL exported before the server starts,
 deployments/setup.py, `prefect deploy`, deployments/worker.py for each pool), then, in the UI
 the root URL opens (V2):
   - the custom-run form: descriptions rendered whole (V1 and V2), keys as titles, limits in the
@@ -10,7 +10,7 @@ the root URL opens (V2):
     failure as run count 2 with its retry delay, the subflows named after stage and run, every
     artifact (plots included) on the pipeline run, tau in the summary;
   - the nightly deployment: its schedule paused, its time zone shown.
-Screenshots go to EAGLE3_SCREENSHOTS (the README's are made so) or the test's tmp dir.
+Screenshots go to EAGLE3_SCREENSHOTS (docs/ui's are made so) or the test's tmp dir.
 
 Chromium is Debian's `chromium` driven by Playwright through `executable_path` (no browser
 download). `make test` installs it in CI (CI=true); elsewhere this test skips, saying why.
@@ -57,12 +57,12 @@ def _need_browser():
 
 @pytest.fixture(scope="module")
 def ui(request, tmp_path_factory):
-    """Server, pools, deployments and one worker per pool, exactly as the README starts them."""
+    """Server, pools, deployments and one worker per pool, exactly as docs/service.md starts them."""
     _need_browser()
     home = tmp_path_factory.mktemp("prefect-ui")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    # The README's order: the API URL is set before `prefect server start`, so the UI it serves
+    # docs/service.md's order: the API URL is set before `prefect server start`, so the UI it serves
     # talks to this port (left unset, the UI calls :4200 and shows "Can't connect to Server API").
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"{url}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1", "EAGLE3_REPO": str(REPO)}
@@ -127,7 +127,7 @@ def recorded(pg, tmp_path: Path):
 
 
 def shot(pg, name: str, tmp_path: Path) -> None:
-    """A screenshot for the README (EAGLE3_SCREENSHOTS) or the test's record, as a small palette PNG."""
+    """A screenshot for docs/ui (EAGLE3_SCREENSHOTS) or the test's record, as a small palette PNG."""
     out = Path(os.environ.get("EAGLE3_SCREENSHOTS") or tmp_path) / f"{name}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     pg.screenshot(path=str(out))
@@ -148,6 +148,45 @@ def prop(pg, name: str, nth: int = 0, optional: bool = False):
 def fill(pg, name: str, value, nth: int = 0, optional: bool = False) -> None:
     box = pg.get_by_label(label(name, optional)).nth(nth)
     box.fill("" if value is None else str(value))
+
+
+def form_state(pg, ui) -> str:
+    """What can keep a Submit from going through: inputs the browser holds invalid, error text the form
+    shows, and the server's last log lines (its schema check answers the form before any run is made)."""
+    invalid = pg.evaluate("""() => Array.from(document.querySelectorAll('input:invalid, textarea:invalid'))
+        .map(e => ((e.labels && e.labels[0] && e.labels[0].innerText) || e.name || e.id) + ': ' + e.validationMessage)""")
+    errors = pg.locator("[role=alert], .text-destructive").all_inner_texts()
+    log = (ui["home"] / "server.log").read_text(errors="replace").splitlines()[-40:]
+    return f"invalid inputs: {invalid}; form errors: {errors}; server log tail:\n" + "\n".join(log)
+
+
+def submit_run(pg, ui, deployment: str) -> None:
+    """Submit the custom-run form and wait for the page to leave it, as a user would: a Submit that did
+    nothing (no run made, the form still there) is clicked once more, with a warning that says what the
+    form showed; a run made without the page moving on, or a second Submit gone nowhere, fails."""
+    import warnings
+
+    from playwright.sync_api import expect
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    left = re.compile(r"/deployments/deployment/[^/]+(\?|$)")
+    seen = []
+    for attempt in (1, 2):
+        pg.get_by_role("button", name="Submit").click()
+        try:
+            # the server checks the parameters, then makes the run: slow on a loaded 2-core machine
+            expect(pg).to_have_url(left, timeout=90_000)
+            return
+        except AssertionError:
+            seen.append(form_state(pg, ui))
+        with temporary_settings({PREFECT_API_URL: f"{ui['url']}/api"}), get_client(sync_client=True) as c:
+            dep = c.read_deployment_by_name(deployment)
+            made = [r for r in c.read_flow_runs(limit=20) if r.deployment_id == dep.id]
+        assert not made, f"a run was made ({made[0].name}) but the page stayed on the form: {seen[-1]}"
+        if attempt == 1:
+            warnings.warn(f"Submit made no run in 90 s; clicking again. The form showed: {seen[-1]}")
+    raise AssertionError("two Submits made no run:\n" + "\n---\n".join(seen))
 
 
 def run_log(c, run_id, until: str | None = None, timeout: float = 30) -> str:
@@ -230,9 +269,7 @@ def test_custom_run_from_the_ui_retries_artifacts_and_paused_nightly(ui, page, t
             aux.get_by_role("button", name="Add item").click()
         for i, v in enumerate((1, 3, 4)):
             aux.locator("input").nth(i).fill(str(v))
-        pg.get_by_role("button", name="Submit").click()
-        # 30 s ran out here on a loaded 2-core machine (the same run passed on a rerun): a generous limit.
-        expect(pg).to_have_url(re.compile(r"/deployments/deployment/[^/]+(\?|$)"), timeout=120_000)
+        submit_run(pg, ui, "eagle3-pipeline/eagle3-pipeline")
 
         # Wait for the run (through the API; the page polls the same).
         with temporary_settings({PREFECT_API_URL: f"{url}/api"}), get_client(sync_client=True) as c:
@@ -304,7 +341,7 @@ def test_custom_run_from_the_ui_retries_artifacts_and_paused_nightly(ui, page, t
                 assert time.time() < deadline, f"nightly run still {r.state.name}"
                 time.sleep(1)
         assert r.state.is_failed() and "nightly: config.conversations is not set" in r.state.message
-        # The README's step turns it on with its source, and off again.
+        # docs/service.md's step turns it on with its source, and off again.
         out = subprocess.run([sys.executable, "deployments/nightly.py", "--conversations", str(data)], cwd=REPO,
                              env=ui["env"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr

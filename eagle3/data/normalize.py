@@ -1,6 +1,6 @@
 """Turn a raw record into a clean `[{"role", "content"}]` conversation, or say why not.
 
-Rules (documented in the README, and each skip is counted by its reason):
+Rules (documented in docs/prepare.md, and each skip is counted by its reason):
 - Roles: human/user -> user; gpt/chatgpt/bing/bard/assistant/model -> assistant; system -> system.
   Any other role skips the conversation (`unknown_role`).
 - A turn with no text (missing key, null, non-text) skips it (`missing_content`); a turn whose
