@@ -445,9 +445,10 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     from eagle3.config import ExtractConfig, PrepareConfig
     from eagle3.data.prepare import prepare
     from eagle3.extract import run_extract
-    from eagle3.store import open_store
     from eagle3.extract.hf import HFBackend
+    from eagle3.store import open_store
     from eagle3.target import Target
+
     from extract import TimedHF  # benchmarks/extract.py
 
     class Timed(TimedHF):
@@ -543,13 +544,12 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from eagle3.eval.decode import TargetLM, greedy_generate
     from eagle3.config import EvalConfig
+    from eagle3.eval.decode import TargetLM, greedy_generate
     from eagle3.eval.run import evaluate, load_target
-    from eagle3.formats import load_draft
+    from eagle3.formats import export, load_draft
     from eagle3.model import DraftConfig, Eagle3Draft
     from eagle3.target import prompt_ids
-    from eagle3.formats import export
 
     cuda = dev.type == "cuda"
     shape, k, max_new = s["eval_target"], s["eval_k"], s["eval_max_new"]

@@ -21,8 +21,8 @@ Two ways to run it:
 """
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch

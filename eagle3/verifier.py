@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.manifests import PreparedData, TensorInfo, VerifierWeights
 from eagle3.atomic import atomic_path, sha256_file, sha256_file_cached
+from eagle3.manifests import PreparedData, TensorInfo, VerifierWeights
 from eagle3.target import INDEX, Target
 
 OUT_FILE = "verifier.safetensors"

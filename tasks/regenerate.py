@@ -13,8 +13,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from eagle3.manifests import RegeneratedData
 from eagle3.config import PipelineConfig, PrepareConfig, RegenConfig
+from eagle3.manifests import RegeneratedData
 from eagle3.regenerate.run import FORMAT, inputs, regenerate
 from tasks._cache import stage_task
 

@@ -133,8 +133,8 @@ def prep_variant(w: Path, b: Base, edit: Callable[[Path], None]) -> Path:
 
 
 def d2t_mismatch(w: Path, b: Base) -> list[str]:
-    from eagle3.manifests import PreparedData
     from eagle3.atomic import sha256_file
+    from eagle3.manifests import PreparedData
 
     def edit(p: Path) -> None:
         t = load_file(str(p / "vocab_map.safetensors"))

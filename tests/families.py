@@ -363,8 +363,14 @@ def build(family: str, out: str | Path, texts: list[str] | None = None) -> Path:
 def reference_lm(model_dir: str | Path):
     """The family's causal LM loaded with transformers alone, independently of eagle3.target: the text
     config mapped by hand to transformers' class, the wrapper's prefix mapped by a regex. fp32, eval mode."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config
-    from transformers import Qwen3ForCausalLM
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     text = cfg.get("text_config", cfg)

@@ -15,7 +15,6 @@ from eagle3.attention import (
     ttt_attention,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

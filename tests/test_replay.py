@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from eagle3.config import ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
-from eagle3.eval.prompts import Conversation, load_prompts
 from eagle3.eval.decode import DraftProposer, Stats, TargetLM, speculative_generate
-from eagle3.formats import load_draft
+from eagle3.eval.prompts import Conversation, load_prompts
 from eagle3.eval.replay import Turn, aux_states, bootstrap_ci, continuations, proposals, replay, walk
+from eagle3.formats import load_draft
 from eagle3.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")

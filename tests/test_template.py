@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 
 from eagle3.data.normalize import Skip
 from eagle3.data.template import ChatRenderer, show
+
 from templates import INST, INST_SPECIAL, LLAMA3, LLAMA3_SPECIAL, with_template
 
 CONV = [

@@ -173,8 +173,8 @@ def test_native_export_is_what_vllm_loads(trained, tiny_llama_dir):
 def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
     """Build a draft from final/config.json alone + the target embedding; its logits equal the
     best checkpoint's, bitwise."""
-    from eagle3.store import open_store
     from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.store import open_store
     from eagle3.train.checkpoint import BEST, CKPT_DIR, load
 
     out, m = trained
@@ -207,9 +207,9 @@ def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
 
 
 def test_speculators_export_layout(trained, tmp_path):
+    from eagle3.formats import export
     from eagle3.model import DraftConfig
     from eagle3.train.checkpoint import BEST, CKPT_DIR, load
-    from eagle3.formats import export
 
     out, m = trained
     c = DraftConfig(**m.draft_config)
@@ -225,9 +225,9 @@ def test_speculators_export_layout(trained, tmp_path):
 
 
 def test_warm_start_loads_weights_and_keeps_the_vocab(trained, stages, tmp_path):
+    from eagle3.manifests import HiddenStates
     from eagle3.train.checkpoint import BEST, CKPT_DIR
     from eagle3.train.loop import build_draft
-    from eagle3.manifests import HiddenStates
 
     out, _ = trained
     cfg = TrainConfig(ttt_steps=2, pack_tokens=192, threads=1, init_from=str(out / "final"))

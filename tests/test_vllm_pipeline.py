@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+
 import pytest
 import yaml
 

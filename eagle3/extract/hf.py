@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from eagle3 import heap
 from eagle3.capture import catch, padded_batches
 from eagle3.cpu_linear import packed_linears
-from eagle3 import heap
 from eagle3.faults import point
 
 Sample = tuple[str, torch.Tensor]  # (sample_id, input_ids [T])

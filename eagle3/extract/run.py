@@ -22,9 +22,10 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle3.manifests import HiddenShardInfo, HiddenStates, PreparedData
 from eagle3.atomic import atomic_path, clean_temp_files, sha256_file, sha256_file_cached
 from eagle3.config import ExtractConfig
+from eagle3.heap import retain_freed_memory
+from eagle3.manifests import HiddenShardInfo, HiddenStates, PreparedData
 from eagle3.store import (
     FORMAT_VERSION,
     INDEX_FILE,
@@ -37,7 +38,6 @@ from eagle3.store import (
     shard_meta,
     shard_problem,
 )
-from eagle3.heap import retain_freed_memory
 from eagle3.target import Target
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do) of this run

@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.manifests import MANIFEST, RegeneratedData
 from eagle3.atomic import atomic_write_json, clean_temp_files, fsync_dir, sha256_file, sha256_json
 from eagle3.config import RegenConfig
 from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
 from eagle3.generate import Generator
 from eagle3.heap import retain_freed_memory
+from eagle3.manifests import MANIFEST, RegeneratedData
 from eagle3.target import Target, prompt_ids
 
 log = logging.getLogger("eagle3.regenerate")

@@ -21,17 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3.manifests import HiddenStates, TrainedDraft, VerifierWeights
+from eagle3 import heap
 from eagle3.atomic import append_text, atomic_write_text, sha256_file
 from eagle3.chains import ReplaySet, replay_counts
 from eagle3.config import TrainConfig
-from eagle3.store import open_store
+from eagle3.formats import export
+from eagle3.manifests import HiddenStates, TrainedDraft, VerifierWeights
 from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.store import open_store
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
-from eagle3.formats import export
-from eagle3 import heap
 from eagle3.train.loss import TargetHead, TTTLossOutput, step_weights, ttt_loss_fused
 from eagle3.train.metrics import Meter, TensorBoard, chain_acceptance, plot_curves
 
