@@ -200,9 +200,9 @@ def train_flops_per_token(c, k: int, L: int, docs: int) -> float:
     (L/docs + 1) / 2) plus the j diagonal keys; fc once. The frozen embedding is a lookup. The
     target head (no grad): draft-vocab logits plus the full-vocab argmax, V x H.
     """
-    H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+    H, Hi, D = c.hidden_size, c.intermediate_size, c.head_dim
     Hq, Hkv, Vd, V = c.num_attention_heads, c.num_key_value_heads, c.draft_vocab_size, c.vocab_size
-    dense = 2 * (2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I + H * Vd)
+    dense = 2 * (2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * Hi + H * Vd)
     keys = sum((L / docs + 1) / 2 + j for j in range(k))
     fwd = k * dense + 2 * 3 * c.target_hidden_size * H + 4 * Hq * D * keys
     return 3 * fwd + 2 * H * (Vd + V)
@@ -425,7 +425,7 @@ def attention(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
                 res[impl] = {"oom": str(e).splitlines()[0][:200]}
                 print(f"L={L:6d} {impl:5s} OOM", flush=True)
             finally:
-                x = g = mask = o = None
+                x = g = mask = o = None  # noqa: F841  an OOM can leave o bound: drop every ref before free(dev)
                 free(dev)
         for other in ("flex", "sdpa"):
             a, b = res.get("ours", {}), res.get(other, {})

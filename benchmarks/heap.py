@@ -52,7 +52,7 @@ def train_steps(steps: int, warmup: int):
     model = TTT(draft, 3, 256, step_weights(3))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
-    for i in range(warmup + steps):
+    for _ in range(warmup + steps):
         L = int(torch.randint(1536, 2049, (1,), generator=g))
         batch = {"input_ids": torch.randint(0, V, (1, L), generator=g), "aux": torch.randn(1, L, 3, H, generator=g),
                  "position_ids": torch.arange(L).remainder(L // 4 + 1)[None],

@@ -89,7 +89,7 @@ class HFGenerator:
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:
         """Consecutive runs of `lengths` (longest first) with <= batch_size rows and <= batch_tokens padded tokens."""
         res: list[list[int]] = []
-        for k, n in enumerate(lengths):
+        for k in range(len(lengths)):
             cur = res[-1] if res else None
             # the first row of a batch is its longest: padded size = rows x that length
             if cur is None or len(cur) >= self.cfg.batch_size or (len(cur) + 1) * lengths[cur[0]] > self.cfg.batch_tokens:

@@ -157,9 +157,9 @@ def eval_turns(cfg: PipelineConfig) -> int:
 
 
 def draft_params(t: TargetPlan, draft_vocab: int) -> int:
-    H, I = t.hidden_size, t.intermediate_size
+    H, Hi = t.hidden_size, t.intermediate_size
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * I + draft_vocab * H + 3 * H + 3 * H
+    return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * Hi + draft_vocab * H + 3 * H + 3 * H
 
 
 def disk_free(path: Path) -> int:

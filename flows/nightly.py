@@ -38,7 +38,7 @@ class NightlyConfig(BaseModel):
 
 
 @flow(name="eagle3-nightly", log_prints=True)
-def nightly(config: NightlyConfig = NightlyConfig()) -> dict:
+def nightly(config: NightlyConfig = NightlyConfig()) -> dict:  # noqa: B008  Prefect shows this default on the run form
     """Retrain on every conversation so far, warm-started from the promoted draft; promote it if tau holds."""
     check_source(config.conversations)  # before anything is written: a misconfigured night fails in one line
     root = Path(config.root)

@@ -178,7 +178,6 @@ def test_lk_loss_hand_computed():
     p = torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]).log()[None]  # [1, 3, 3]
     q = torch.tensor([[0.25, 0.5, 0.25], [0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]).log()[None].requires_grad_()
     top = torch.tensor([[0, 1, 0]])
-    mask = torch.tensor([[1, 1, 1]])
     # step 0 at t scores target s = t + 1 and needs token t + 2: t = 0 only (s = 1); shift so both rows count
     tl = torch.cat([p[:, :1], p], 1)  # s = 1 -> p row 0, s = 2 -> p row 1
     ql = torch.cat([q, q[:, :1]], 1)  # t = 0 -> q row 0, t = 1 -> q row 1

@@ -46,7 +46,7 @@ def write_mixed(path: Path) -> dict[str, int]:
         ("bad_schema", json.dumps({"prompt": "x", "completion": "y"})),
     ]
     raw = [ln.encode() for ln in lines]
-    for j, (reason, text) in enumerate(bad):
+    for j, (_, text) in enumerate(bad):
         b = b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}' if text is None else text.encode()
         raw.insert(3 * j + 1, b)
     path.write_bytes(b"\n".join(raw) + b"\n")

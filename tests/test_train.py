@@ -118,7 +118,7 @@ def vllm_expected(c) -> dict[str, tuple[int, ...]]:
     """Names and shapes vLLM's llama_eagle3.py loads: `midlayer.` is mapped to `layers.0.`, names without
     `lm_head` get a `model.` prefix, q/k/v and gate/up are stacked by its loader, `d2t` becomes
     draft_id_to_target_id, `t2d` is skipped, and embed_tokens is optional (shared with the target)."""
-    H, Ht, I, hd = c.hidden_size, c.target_hidden_size, c.intermediate_size, c.head_dim
+    H, Ht, Hi, hd = c.hidden_size, c.target_hidden_size, c.intermediate_size, c.head_dim
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
     e = {
         "fc.weight": (H, 3 * Ht),
@@ -129,9 +129,9 @@ def vllm_expected(c) -> dict[str, tuple[int, ...]]:
         "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, q),
         "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
+        "midlayer.mlp.gate_proj.weight": (Hi, H),
+        "midlayer.mlp.up_proj.weight": (Hi, H),
+        "midlayer.mlp.down_proj.weight": (H, Hi),
         "norm.weight": (H,),
         "lm_head.weight": (c.draft_vocab_size, H),
         "d2t": (c.draft_vocab_size,),

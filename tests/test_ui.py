@@ -185,7 +185,7 @@ def submit_run(pg, ui, deployment: str) -> None:
             made = [r for r in c.read_flow_runs(limit=20) if r.deployment_id == dep.id]
         assert not made, f"a run was made ({made[0].name}) but the page stayed on the form: {seen[-1]}"
         if attempt == 1:
-            warnings.warn(f"Submit made no run in 90 s; clicking again. The form showed: {seen[-1]}")
+            warnings.warn(f"Submit made no run in 90 s; clicking again. The form showed: {seen[-1]}", stacklevel=1)
     raise AssertionError("two Submits made no run:\n" + "\n---\n".join(seen))
 
 

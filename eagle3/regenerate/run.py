@@ -324,7 +324,7 @@ def regenerate(
         generated_tokens += ntok
         prompt_tokens += nprompt
 
-        for i, s in slots:
+        for _, s in slots:
             if isinstance(s, dict):  # reused
                 orig = s.pop("_original")
                 rec = s
