@@ -73,7 +73,8 @@ def proposals(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: int,
         props = torch.full((k, L), -1, dtype=torch.long)
         nxt = torch.cat([ids, ids.new_full((k + 2,), -1)])  # the target's tokens, -1 past the end
 
-        def keep(j: int, t: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        # called by ttt_states_at below, within this iteration: props and nxt bound as defaults all the same
+        def keep(j: int, t: torch.Tensor, normed: torch.Tensor, *, props=props, nxt=nxt) -> torch.Tensor:
             p = torch.cat([draft.to_target_ids(draft.logits(normed[c : c + chunk]).argmax(-1))
                            for c in range(0, normed.shape[0], chunk)])  # [n]
             props[j, t.cpu()] = p.cpu()
