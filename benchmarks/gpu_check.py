@@ -291,7 +291,7 @@ def trainer(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     checks = {"losses_finite": all(math.isfinite(x) for ls in losses.values() for x in ls)}
     if len(losses) == 2:
         a, b = losses["ddp"], losses["fsdp"]
-        diff = max(abs(x - y) for x, y in zip(a, b))
+        diff = max(abs(x - y) for x, y in zip(a, b, strict=False))
         out["loss_max_abs_diff"] = diff
         # bf16 matmuls may be scheduled differently after the first update: a relative 1e-3 then
         checks["ddp_fsdp_equal_losses"] = len(a) == len(b) and diff <= (1e-3 if cuda else 1e-5) * max(map(abs, a))
@@ -375,7 +375,7 @@ def attention(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
         errs[impl] = {"out": rel_err(o, ref), "grads": None}
         if has_bwd(impl):
             o.backward(dout.to(dev, dtype))
-            errs[impl]["grads"] = max(rel_err(a.grad, r.grad) for a, r in zip(x, ref_x))
+            errs[impl]["grads"] = max(rel_err(a.grad, r.grad) for a, r in zip(x, ref_x, strict=True))
     out["equality"] = {"L": L, "documents": 3, "tolerance": tol, "reference": "fp64 math on the CPU", **errs}
     print(f"equality at L={L}: " + ", ".join(f"{i} out {e['out']:.1e} grads {e['grads'] or 0:.1e}" for i, e in errs.items()),
           flush=True)
@@ -649,7 +649,7 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     d2 = draft_dir("decisive-draft", t2, decisive=True)
     r32, s32, _ = run_eval(t2, d2, "eval-fp32-cpu", bf16=False)
     r16, s16, _ = run_eval(t2, d2, "eval-bf16", bf16=True)
-    same_text = [a["turns"] == b["turns"] for a, b in zip(s32, s16)]
+    same_text = [a["turns"] == b["turns"] for a, b in zip(s32, s16, strict=True)]
     out["tau_vs_fp32_cpu"] = {"tau_bf16": r16["acceptance_length"], "tau_fp32_cpu": r32["acceptance_length"],
                               "per_position_bf16": r16["per_position_acceptance"],
                               "per_position_fp32_cpu": r32["per_position_acceptance"],

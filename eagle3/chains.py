@@ -64,7 +64,7 @@ def proposals(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: int,
     dtype = draft.fc.weight.dtype
     big = 1 << 30 if max_new is None else max_new
     out = []
-    for turn, a in zip(turns, aux):
+    for turn, a in zip(turns, aux, strict=True):
         ids = torch.tensor(turn.ids, device=dev)
         L = len(turn.ids)
         w = rounds_window(turn, big)
@@ -114,7 +114,7 @@ def replay_counts(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: 
     out = [0.0] * (2 + k)
     if not turns:
         return out
-    for t, p in zip(turns, proposals(draft, turns, aux, k, max_new)):
+    for t, p in zip(turns, proposals(draft, turns, aux, k, max_new), strict=True):
         for a in walk(t, p, k, max_new, eos):
             out[0] += a
             out[1] += 1

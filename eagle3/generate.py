@@ -82,7 +82,7 @@ class HFGenerator:
         with packed_linears(self.model) if self.cpu_linear else contextlib.nullcontext():
             for idx in self.batches([len(prompts[i]) for i in order]):
                 idx = [order[k] for k in idx]
-                for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx])):
+                for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx]), strict=True):
                     out[i] = g
         return out  # type: ignore[return-value]
 
@@ -147,7 +147,7 @@ class HFGenerator:
         while rows:
             nxt = self._pick(logits, [gens[i] for i in rows]).tolist()  # [b]
             keep = []
-            for r, (i, t) in enumerate(zip(rows, nxt)):
+            for r, (i, t) in enumerate(zip(rows, nxt, strict=True)):
                 out[i].append(t)
                 self.tokens += 1
                 if end[i] is None and (t in self.eos or len(out[i]) >= max_new):

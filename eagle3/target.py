@@ -119,7 +119,7 @@ def check_aux_ids(aux: Sequence[int], n: int | None = None) -> list[int]:
     aux = [int(a) for a in aux]
     if len(aux) != 3:
         raise ValueError(f"aux layer ids must be exactly 3 ids (got {aux}); the final layer N is added automatically")
-    if any(b <= a for a, b in zip(aux, aux[1:])):
+    if any(b <= a for a, b in zip(aux, aux[1:], strict=False)):
         raise ValueError(
             f"aux layer ids {aux} must be strictly increasing: vLLM concatenates the aux states in layer "
             f"order whatever order a config lists, so {sorted(set(aux))} is what serving would feed `fc`"

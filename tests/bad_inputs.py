@@ -85,7 +85,7 @@ def jsonl(path: Path, rows: list, extra: list[bytes] = ()) -> Path:
 
 
 def conv(*turns: tuple) -> dict:
-    return {"conversations": [dict(zip(("from", "value"), t)) for t in turns]}
+    return {"conversations": [dict(zip(("from", "value"), t, strict=True)) for t in turns]}
 
 
 def prep_cmd(w: Path, b: Base, data: Path | str, *flags: str, model: Path | None = None) -> list[str]:

@@ -55,7 +55,7 @@ def _check(B, Hq, Hkv, L, D, j, doc, block):
     dout = torch.randn_like(out)
     g_out = torch.autograd.grad(out, leaves, dout)
     g_ref = torch.autograd.grad(ref, leaves, dout)
-    for name, a, b in zip(["q", "k0", "v0"] + [f"kd{i}" for i in range(j)] + [f"vd{i}" for i in range(j)], g_out, g_ref):
+    for name, a, b in zip(["q", "k0", "v0"] + [f"kd{i}" for i in range(j)] + [f"vd{i}" for i in range(j)], g_out, g_ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m, n=name: f"grad {n}: {m}")
 
 

@@ -81,7 +81,7 @@ def test_tiny_llama_parity_fp32(tiny_llama_dir, tmp_path):
     lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     store = open_store(tmp_path / "out")
     assert len(store) == 6 and len(open_store(tmp_path / "out", "val")) == 2
-    for (ids, mask), s in zip(rows, store):
+    for (ids, mask), s in zip(rows, store, strict=True):
         hs, logits = _reference(lm, ids)
         assert s["input_ids"].tolist() == ids and s["loss_mask"].tolist() == mask
         assert s["aux_hidden_states"].shape == (len(ids), 3, 64) and s["final_hidden_states"].shape == (len(ids), 64)
@@ -120,7 +120,7 @@ def test_smollm2_parity_and_storage(smollm2_dir, tmp_path):
         man = run_extract(smollm2_dir, prep, out, ExtractConfig(storage=storage), backend=backend, show_progress=False)
         assert man.aux_layer_ids == [2, 15, 27]
         hit = total = 0
-        for (hs, logits), s in zip(refs, open_store(out)):
+        for (hs, logits), s in zip(refs, open_store(out), strict=True):
             if storage == "fp32":
                 # extraction's linears run on oneDNN-prepacked weights, the reference on stock F.linear:
                 # rounding differences build up over 27 layers to ~2e-4 here (bf16 storage rounds at ~4e-3)

@@ -230,7 +230,7 @@ def test_vllm_backend_on_family_layouts(family_dirs, fam, tmp_path, monkeypatch)
     h = run_extract(model, tmp_path / "prep", tmp_path / "h", ExtractConfig(), show_progress=False,
                     trust_remote_code=trust)
     assert h.layer_ids == v.layer_ids and h.num_tokens == v.num_tokens
-    for a, b in zip(open_store(tmp_path / "v"), open_store(tmp_path / "h")):
+    for a, b in zip(open_store(tmp_path / "v"), open_store(tmp_path / "h"), strict=True):
         assert a["input_ids"].tolist() == b["input_ids"].tolist()
         torch.testing.assert_close(a["aux_hidden_states"].float(), b["aux_hidden_states"].float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(a["final_hidden_states"].float(), b["final_hidden_states"].float(), atol=1e-2, rtol=1e-2)

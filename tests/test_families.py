@@ -101,7 +101,7 @@ def test_golden_masks(family_dirs, fam):
     cuts = np.nonzero(np.diff(np.r_[0, mask, 0]))[0].reshape(-1, 2)  # [start, end) of each trainable run
     answers = [CONV[1]["content"], CONV[3]["content"]]
     assert len(cuts) == 2
-    for (a, b), ans, pre in zip(cuts, answers, before):
+    for (a, b), ans, pre in zip(cuts, answers, before, strict=True):
         assert ids[a:b].tolist() == t.encode([ans])[0] + [eot]
         assert tok.decode(ids[a:b].tolist(), skip_special_tokens=False) == ans + eot_str
         head = tok.decode(ids[:a].tolist(), skip_special_tokens=False)

@@ -164,9 +164,9 @@ def test_fused_loss_equals_autograd_reference(chunk, loss):
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out.alpha_sum, ref.alpha_sum, atol=1e-5, rtol=1e-6)
     assert out.kl_count == ref.kl_count and out.count == ref.count and out.correct == ref.correct
-    assert all(torch.equal(a, b) for a, b in zip(out.hits, ref.hits))
+    assert all(torch.equal(a, b) for a, b in zip(out.hits, ref.hits, strict=True))
     torch.testing.assert_close(out.kl_sum, ref.kl_sum, atol=1e-5, rtol=1e-6)
-    for g, r in zip([s.grad for s in states] + [w.grad], g_ref):
+    for g, r in zip([s.grad for s in states] + [w.grad], g_ref, strict=True):
         torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
     # hits matter for simulated acceptance: both branches occur
     assert 0 < sum(out.correct) < sum(out.count)

@@ -225,5 +225,5 @@ def test_memory_lean_norm_and_mlp_equal_plain_autograd(dtype):
     out = _SiluMul.apply(gate, up)
     ref = torch.nn.functional.silu(gate) * up
     assert torch.equal(out, ref)
-    for a, b in zip(torch.autograd.grad(out, (gate, up), g), torch.autograd.grad(ref, (gate, up), g)):
+    for a, b in zip(torch.autograd.grad(out, (gate, up), g), torch.autograd.grad(ref, (gate, up), g), strict=True):
         torch.testing.assert_close(a, b, **tol)

@@ -300,7 +300,7 @@ def test_sampling_is_seeded_per_turn_not_per_batch(tmp_path, tiny_llama_dir):
         regenerate(tiny_llama_dir, str(src), tmp_path / name, cfg)
         outs[name] = [r["messages"] for r in read_records(tmp_path / name)]
     assert outs["b1"] == outs["b4"]
-    assert sum(a != b for a, b in zip(outs["b1"], outs["s8"])) == 5
+    assert sum(a != b for a, b in zip(outs["b1"], outs["s8"], strict=True)) == 5
     greedy = regenerate(tiny_llama_dir, str(src), tmp_path / "g", RegenConfig(max_new_tokens=8))
     assert greedy.settings["seed"] is None and greedy.settings["top_p"] == 1.0  # irrelevant to greedy: not in the key
 

@@ -73,7 +73,7 @@ def test_two_processes_equal_one_with_same_global_batch(stages, tmp_path):
     run_train(stages, tmp_path / "two", "--max-steps", "4", "--grad-accum", "1", *replay, nproc=2)
     va, vb = vals(tmp_path / "one"), vals(tmp_path / "two")
     assert [v["step"] for v in va] == [2, 4] and all(v["replay_rounds"] > 0 for v in va)
-    for x, y in zip(va, vb):
+    for x, y in zip(va, vb, strict=True):
         assert x["replay_rounds"] == y["replay_rounds"] and abs(x["replay_tau"] - y["replay_tau"]) <= 1e-9
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(a) == [1, 2, 3, 4] and a[1] > 0
@@ -202,7 +202,7 @@ def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
     with torch.no_grad():
         a = mine.ttt_forward(ids, aux, pos, steps=2)
         b = ref.ttt_forward(ids, aux, pos, steps=2)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert m.best_step in (2, 3) and m.best_sim_tau >= 1.0
 
 

@@ -184,7 +184,7 @@ def prepare(
         if not pending:
             return
         encoded = renderer.encode([r for _, r in pending], cfg.max_len)
-        for (rid, _), (ids, mask) in zip(pending, encoded):
+        for (rid, _), (ids, mask) in zip(pending, encoded, strict=True):
             if not mask.any():
                 skip(rid, "no_trainable_tokens", f"no assistant token within the first {cfg.max_len} tokens")
                 continue

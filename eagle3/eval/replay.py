@@ -114,7 +114,7 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress)
             text = tok.decode(answer, skip_special_tokens=True)  # as run_conversation renders the next turn
             msgs[n] += [{"role": "assistant", "content": text}, {"role": "user", "content": c.followups[i - 1]}]
             prompts.append(prompt_ids(tok, msgs[n]))
-        for n, prompt, g in zip(todo, prompts, gen.generate(prompts, [0] * len(prompts))):
+        for n, prompt, g in zip(todo, prompts, gen.generate(prompts, [0] * len(prompts)), strict=True):
             t = Turn(convs[n].id, i, len(prompt), list(prompt) + g.raw, len(finish_answer(g.raw, max_new, eos)))
             turns.append(t)
             prev[n] = t
@@ -213,7 +213,7 @@ def replay(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], convs: Seq
     props = proposals(draft, turns, aux, k, max_new)
     by_conv: dict[str, list[dict[str, Any]]] = {c.id: [] for c in convs}
     per_conv: dict[str, list[int]] = {c.id: [0, 0] for c in convs}
-    for t, p in zip(turns, props):
+    for t, p in zip(turns, props, strict=True):
         rounds = walk(t, p, k, max_new, eos)
         for a in rounds:
             stats.add(a)

@@ -64,7 +64,7 @@ class HFBackend:
         with packed_linears(self.model, timed=False):
             for group, lengths, ids in padded_batches([ids for _, ids in samples], self.batch_tokens, self.pad_id):
                 h = self.forward(ids).cpu()  # [B, T_max, L, H]
-                for r, (i, n) in enumerate(zip(group, lengths)):
+                for r, (i, n) in enumerate(zip(group, lengths, strict=True)):
                     sid, tok = samples[i]
                     yield sid, tok, h[r, :n]
                 if on_tokens is not None:

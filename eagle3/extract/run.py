@@ -85,7 +85,7 @@ def load_samples(prepared_dir: str | Path, prep: PreparedData, splits: Sequence[
             n_ids = pc.list_value_length(t["input_ids"]).to_pylist()
             n_mask = pc.list_value_length(t["loss_mask"]).to_pylist()
             sids = t["sample_id"].to_pylist()
-            for sid, a, b in zip(sids, n_ids, n_mask):
+            for sid, a, b in zip(sids, n_ids, n_mask, strict=True):
                 if not a or a != b:
                     raise ValueError(f"{path}: sample {sid}: {a} input ids but {b} loss-mask values")
             s.split += [split] * t.num_rows
@@ -103,7 +103,7 @@ def plan_shards(s: Samples, tok_bytes: int, shard_bytes: int, common: dict[str, 
     plans: list[ShardPlan] = []
     idx: dict[str, int] = {}
     cur: ShardPlan | None = None
-    for row, (split, sid, n) in enumerate(zip(s.split, s.sample_id, s.length)):
+    for row, (split, sid, n) in enumerate(zip(s.split, s.sample_id, s.length, strict=True)):
         if cur is None or cur.split != split or (cur.rows and (cur.num_tokens + n) * tok_bytes > shard_bytes):
             cur = ShardPlan(split, idx.get(split, 0), [], [], [])
             idx[split] = cur.index + 1
@@ -249,7 +249,7 @@ def run_extract(
     todo_tokens = sum(
         n_tok
         for p in plans if p.file not in committed
-        for sid, n_tok in dict(zip(p.sample_ids, p.lengths)).items() if sid not in reusable
+        for sid, n_tok in dict(zip(p.sample_ids, p.lengths, strict=True)).items() if sid not in reusable
     )
     disk_preflight(out, [p for p in plans if p.file not in committed], n_aux, hidden, cfg.storage)
 
@@ -279,7 +279,7 @@ def run_extract(
             w = ShardWriter(p, n_aux, hidden, cfg.storage)
             todo = []
             seen: set[str] = set()
-            for row, sid in zip(p.rows, p.sample_ids):
+            for row, sid in zip(p.rows, p.sample_ids, strict=True):
                 if sid in seen:
                     continue  # the same content twice: compute it once, store it twice
                 seen.add(sid)
@@ -376,7 +376,7 @@ def _write_index(out: Path, plans: list[ShardPlan]) -> str:
     cols: dict[str, list] = {"sample_id": [], "split": [], "shard": [], "offset": [], "length": []}
     for k, p in enumerate(plans):
         off = 0
-        for sid, n in zip(p.sample_ids, p.lengths):
+        for sid, n in zip(p.sample_ids, p.lengths, strict=True):
             cols["sample_id"].append(sid)
             cols["split"].append(p.split)
             cols["shard"].append(k)
@@ -393,7 +393,7 @@ def _write_index(out: Path, plans: list[ShardPlan]) -> str:
 def check_engine_length(samples: Samples, limit: int) -> None:
     """vLLM refuses a prompt (and an engine whose max_model_len is) past the model's context: say so up
     front, naming the samples, instead of failing after the engine started. +1: the one sampled token."""
-    over = [(sid, n) for sid, n in zip(samples.sample_id, samples.length) if n + 1 > limit]
+    over = [(sid, n) for sid, n in zip(samples.sample_id, samples.length, strict=True) if n + 1 > limit]
     if over:
         named = ", ".join(f"{sid} ({n} tokens)" for sid, n in over[:5]) + (f" and {len(over) - 5} more" if len(over) > 5 else "")
         raise ValueError(

@@ -404,7 +404,7 @@ def _run_waves(convs: list[_Conv], gen: Generator, tok, cfg: RegenConfig, max_le
         outs = gen.generate(prompts, seeds)
         if len(outs) != len(wave):
             raise RuntimeError(f"backend {gen.name} returned {len(outs)} answers for {len(wave)} prompts")
-        for c, g in zip(wave, outs):
+        for c, g in zip(wave, outs, strict=True):
             ntok += len(g.ids) + (g.finish == "stop")
             text = clean_answer(tok.decode(g.ids, skip_special_tokens=True), cfg.reasoning)
             if not text.strip():

@@ -71,7 +71,7 @@ class VllmGenerator:
         if len(outs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(prompts)} prompts")
         res = []
-        for i, (p, o) in enumerate(zip(prompts, outs)):
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
             if list(o.prompt_token_ids) != list(p):
                 raise RuntimeError(f"vLLM output {i} (request {o.request_id}) answers another prompt: "
                                    "outputs are not in prompt order")

@@ -124,7 +124,7 @@ class TopCache:
             return logits, torch.cat([self.top[k] for k in keys]).to(logits.device)[None]
         logits, top = head(batch["final"])
         lengths = torch.bincount(batch["doc"][0], minlength=len(idx)).tolist()
-        for k, t in zip(keys, top[0].split(lengths)):
+        for k, t in zip(keys, top[0].split(lengths), strict=True):
             self.top[k] = t.to("cpu", torch.int32)
         return logits, top
 

@@ -126,7 +126,7 @@ class TTTLossOutput:
     @property
     def accuracy(self) -> list[float]:
         """Per-step top-1 agreement with the target: the inputs of simulated acceptance."""
-        return [c / n if n else float("nan") for c, n in zip(self.correct, self.count)]
+        return [c / n if n else float("nan") for c, n in zip(self.correct, self.count, strict=True)]
 
 
 def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
@@ -183,7 +183,7 @@ def ttt_loss(
     weights, doc = _check(len(draft_logits), weights, target_logits.shape, target_top, loss_mask, doc)
     logp_all = target_logits.float().log_softmax(-1)  # [B, L, Vd]
     out = TTTLossOutput(loss=target_logits.new_zeros((), dtype=torch.float32))
-    for j, (q_logits, w) in enumerate(zip(draft_logits, weights)):
+    for j, (q_logits, w) in enumerate(zip(draft_logits, weights, strict=True)):
         valid, top, b_idx, t_idx = _step_rows(j, target_top, loss_mask, doc)
         logp = logp_all[b_idx, t_idx + j + 1]  # [N, Vd]
         p = logp.exp()
@@ -244,7 +244,7 @@ def ttt_loss_fused(
     weights, doc = _check(len(states), weights, target_logits.shape, target_top, loss_mask, doc)
     L = target_logits.shape[1]
     steps, hs, rows, scale = [], [], [], []
-    for j, (h, w) in enumerate(zip(states, weights)):
+    for j, (h, w) in enumerate(zip(states, weights, strict=True)):
         valid, top, b_idx, t_idx = _step_rows(j, target_top, loss_mask, doc)
         steps.append((valid, top, b_idx, t_idx))
         hs.append(h[b_idx, t_idx])  # [N_j, H]
@@ -257,11 +257,11 @@ def ttt_loss_fused(
     if loss == "lk":
         with torch.no_grad():
             alpha = _overlap(h_all, lm_head, tl, rows_all, chunk)
-        mix = torch.cat([torch.full((n,), lk_lambda(a, eta), device=h_all.device) for n, a in zip(sizes, alpha.split(sizes))])
+        mix = torch.cat([torch.full((n,), lk_lambda(a, eta), device=h_all.device) for n, a in zip(sizes, alpha.split(sizes), strict=True)])
     top = (topk, topk_weight) if loss == "topk" else None
     out_loss, kl, arg, alpha = _HeadKL.apply(h_all, lm_head, tl, rows_all, torch.cat(scale), chunk, need_grad, mix, top)
     out = TTTLossOutput(loss=out_loss)
-    for (valid, top, b_idx, t_idx), kl_j, arg_j, a_j in zip(steps, kl.split(sizes), arg.split(sizes), alpha.split(sizes)):
+    for (valid, top, b_idx, t_idx), kl_j, arg_j, a_j in zip(steps, kl.split(sizes), arg.split(sizes), alpha.split(sizes), strict=True):
         hit = torch.zeros_like(valid)
         hit[b_idx, t_idx] = arg_j == top[b_idx, t_idx]
         _record(out, kl_j.sum(), int(b_idx.numel()), hit, valid, a_j.sum())
