@@ -92,7 +92,8 @@ class HFGenerator:
         for k in range(len(lengths)):
             cur = res[-1] if res else None
             # the first row of a batch is its longest: padded size = rows x that length
-            if cur is None or len(cur) >= self.cfg.batch_size or (len(cur) + 1) * lengths[cur[0]] > self.cfg.batch_tokens:
+            if (cur is None or len(cur) >= self.cfg.batch_size
+                    or (len(cur) + 1) * lengths[cur[0]] > self.cfg.batch_tokens):
                 res.append([k])
             else:
                 cur.append(k)

@@ -93,7 +93,8 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
             f"norm {tuple(norm.shape)}"
         )
     if V != target.vocab_rows:
-        raise ValueError(f"{target.path}: the embedding has {V} rows but config.json says vocab_size {target.vocab_rows}")
+        raise ValueError(f"{target.path}: the embedding has {V} rows but config.json says vocab_size "
+                         f"{target.vocab_rows}")
     try:
         target_ids = check_vocab_map(d2t, t2d, V)
     except ValueError as e:

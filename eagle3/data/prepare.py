@@ -151,7 +151,8 @@ def prepare(
     if cfg.vocab_from:  # checked before anything is written
         d2t, t2d = load_maps(_vocab_path(cfg.vocab_from))
         if len(t2d) != V:
-            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-row vocab, this target's embedding has {V}")
+            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-row vocab, "
+                             f"this target's embedding has {V}")
 
     # A stale manifest must never describe the shards we are about to overwrite.
     out.mkdir(parents=True, exist_ok=True)

@@ -164,9 +164,10 @@ def _aux_states(base, turns, aux_ids, path, batch_tokens, packed) -> tuple[list[
     return [out[str(i)] for i in range(len(turns))], time.perf_counter() - t0
 
 
-def build_replay_set(model_dir: str | Path, prompts: str | Path, limit: int, max_new: int, aux_ids: Sequence[int] | None,
-                     tail: int = 8, trust_remote_code: bool = False, cache: str | Path | None = None,
-                     device: str | None = None, progress: Progress | None = None) -> Path:
+def build_replay_set(model_dir: str | Path, prompts: str | Path, limit: int, max_new: int,
+                     aux_ids: Sequence[int] | None, tail: int = 8, trust_remote_code: bool = False,
+                     cache: str | Path | None = None, device: str | None = None,
+                     progress: Progress | None = None) -> Path:
     """The target's greedy answers to the first `limit` prompts of `prompts` (e.g. a prepared dir's val
     split) and their aux states; returns the (content-cached) dir that `ReplaySet.load` reads."""
     from eagle3.eval.prompts import load_prompts

@@ -57,7 +57,9 @@ class HFBackend:
             self.model(input_ids=ids.to(self.device), use_cache=False)
         return torch.stack(caught, dim=2)
 
-    def extract(self, samples: Sequence[Sample], on_tokens: Callable[[int], None] | None = None) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    def extract(
+        self, samples: Sequence[Sample], on_tokens: Callable[[int], None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """Yield (sample_id, token_ids [T], hidden [T, n_aux + 1, H] on CPU) for every sample."""
         # On CPU the linear layers run on oneDNN-prepacked weights (eagle3.cpu_linear; 0.87x stock's time
         # at extraction's row counts), always that kernel (timed=False), so reruns are bitwise equal.

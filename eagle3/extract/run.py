@@ -156,7 +156,8 @@ def disk_preflight(out: Path, todo: list[ShardPlan], n_aux: int, hidden: int, st
 
 
 # ---------------------------------------------------------------- the stage
-def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig, trust_remote_code: bool = False) -> dict[str, Any]:
+def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig,
+           trust_remote_code: bool = False) -> dict[str, Any]:
     """What the stored states depend on: the prepared data's and the target's content, the layer ids, the
     storage and the shard plan's settings (backend, batch and parallelism settings change speed, not bytes).
     The stage's "already done" check and the Prefect task's cache key are both this dict."""
@@ -274,7 +275,8 @@ def run_extract(
     try:
         for p in plans:
             if p.file in committed:
-                shard_sha[p.file] = known.get(p.file) or sha256_file_cached(out / p.file)  # a known one was just checked
+                # a known one was just checked
+                shard_sha[p.file] = known.get(p.file) or sha256_file_cached(out / p.file)
                 continue
             w = ShardWriter(p, n_aux, hidden, cfg.storage)
             todo = []
@@ -395,7 +397,8 @@ def check_engine_length(samples: Samples, limit: int) -> None:
     front, naming the samples, instead of failing after the engine started. +1: the one sampled token."""
     over = [(sid, n) for sid, n in zip(samples.sample_id, samples.length, strict=True) if n + 1 > limit]
     if over:
-        named = ", ".join(f"{sid} ({n} tokens)" for sid, n in over[:5]) + (f" and {len(over) - 5} more" if len(over) > 5 else "")
+        named = (", ".join(f"{sid} ({n} tokens)" for sid, n in over[:5])
+                 + (f" and {len(over) - 5} more" if len(over) > 5 else ""))
         raise ValueError(
             f"extract --backend vllm: {len(over)} sample(s) longer than the engine allows "
             f"(max_position_embeddings {limit}, one position kept for the sampled token): {named}; "

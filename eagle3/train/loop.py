@@ -50,8 +50,8 @@ class TTT(nn.Module):
 
     def forward(self, input_ids, aux, position_ids, doc, loss_mask, target_logits, target_top) -> TTTLossOutput:
         states = self.draft.ttt_states(input_ids, aux, position_ids, self.steps, doc=doc, block=self.block)
-        return ttt_loss_fused(states, self.draft.lm_head.weight, target_logits, target_top, loss_mask, doc, self.weights,
-                              **self.loss_kw)
+        return ttt_loss_fused(states, self.draft.lm_head.weight, target_logits, target_top, loss_mask, doc,
+                              self.weights, **self.loss_kw)
 
 
 @dataclass
@@ -87,7 +87,8 @@ def warm_start(draft: Eagle3Draft, src: Path) -> None:
     path = src / "model.safetensors"
     if not path.is_file():
         raise ValueError(f"init_from: {path} does not exist (expected an exported draft dir, e.g. <train>/final)")
-    w = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in load_file(str(path)).items()}
+    w = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v
+         for k, v in load_file(str(path)).items()}
     if "d2t" not in w or not torch.equal(w["d2t"], draft.d2t):
         raise ValueError(f"init_from: {src} was trained with another draft vocab (d2t differs); a warm start keeps "
                          "the vocab map fixed: prepare with vocab_from=<the promoted run's prepare dir>")
@@ -225,7 +226,8 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     if replay is not None and cfg.replay_prompts:
         rs = ReplaySet.load(replay, hidden.aux_layer_ids)
         if rs.model_fingerprint != hidden.model_fingerprint:
-            raise ValueError(f"replay set {replay} was built from another target than the hidden states in {hidden_dir}")
+            raise ValueError(f"replay set {replay} was built from another target than the hidden states in "
+                             f"{hidden_dir}")
     elif cfg.replay_prompts and world.main:
         log.info("train: no replay set given (--replay): validation reports simulated tau only")
     fp = inputs(hidden_dir, verifier_dir, cfg, rs)
