@@ -377,7 +377,8 @@ def attention(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
             o.backward(dout.to(dev, dtype))
             errs[impl]["grads"] = max(rel_err(a.grad, r.grad) for a, r in zip(x, ref_x, strict=True))
     out["equality"] = {"L": L, "documents": 3, "tolerance": tol, "reference": "fp64 math on the CPU", **errs}
-    print(f"equality at L={L}: " + ", ".join(f"{i} out {e['out']:.1e} grads {e['grads'] or 0:.1e}" for i, e in errs.items()),
+    print(f"equality at L={L}: "
+          + ", ".join(f"{i} out {e['out']:.1e} grads {e['grads'] or 0:.1e}" for i, e in errs.items()),
           flush=True)
     out["checks"] = {f"{i}_equals_reference": e["out"] <= tol and (e["grads"] or 0) <= tol for i, e in errs.items()}
     del x, ref_x, ref, scores, rk, rv
@@ -498,7 +499,8 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     store = open_store(hid)
     smp = max(store, key=lambda x: len(x["input_ids"]))
     with torch.inference_mode():
-        hs = base(input_ids=torch.as_tensor(smp["input_ids"]).long()[None].to(dev), output_hidden_states=True).hidden_states
+        hs = base(input_ids=torch.as_tensor(smp["input_ids"]).long()[None].to(dev),
+                  output_hidden_states=True).hidden_states
     ref = torch.stack([hs[i][0] for i in (2, N // 2, N - 3)], 1)  # [T, 3, H]; HF's hidden_states[k] enters layer k
     out["aux_rel_err"] = rel_err(smp["aux_hidden_states"].float(), ref.float())
     tol = 2e-2 if cuda else 5e-3  # bf16 storage rounds by ~2e-3; on CUDA bf16 batched vs unbatched kernels too
@@ -671,7 +673,8 @@ def gpu_tests(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
 
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
     env = dict(os.environ)
-    assets = REPO / ".gpu" / "assets"  # staged by benchmarks/fetch_gpu_wheels.sh (SmolLM2's tokenizer, 40 ShareGPT records)
+    # staged by benchmarks/fetch_gpu_wheels.sh (SmolLM2's tokenizer, 40 ShareGPT records)
+    assets = REPO / ".gpu" / "assets"
     if assets.is_dir():
         env.setdefault("EAGLE3_TEST_TOKENIZER", str(assets / "smollm2-tokenizer"))
         env.setdefault("EAGLE3_TEST_SHAREGPT", str(assets / "sharegpt-40.json"))
@@ -846,7 +849,8 @@ def main() -> int:
                                 for c, v in sc.get("result", {}).get("checks", {}).items() if not v]
             report["failed"] += [n for n, sc in report["sections"].items() if sc["status"] != "ok"]
             report["ok"] = not report["failed"]
-            report["skipped"] = [f"{n}.{path}" for n, sc in report["sections"].items() for path in skipped(sc.get("result"))]
+            report["skipped"] = [f"{n}.{path}" for n, sc in report["sections"].items()
+                                 for path in skipped(sc.get("result"))]
             tmp_json = out / "gpu_check.json.tmp"
             tmp_json.write_text(json.dumps(report, indent=1, default=str))
             tmp_json.replace(out / "gpu_check.json")

@@ -54,7 +54,8 @@ def configs(root: Path, model: Path) -> dict[str, tuple[str, dict]]:
 
     p1 = pipe("p1", {"limit": 24, "draft_vocab": 2048}, {}, {"ttt_steps": 2}, 2)
     p2 = pipe("p2", {"limit": 32, "draft_vocab": 2048}, {"storage": "fp8"}, {"ttt_steps": 3}, 3)
-    p3 = pipe("p3", {"limit": 24, "draft_vocab": 4096, "seed": 1}, {"storage": "fp8-aux"}, {"ttt_steps": 2, "seed": 1}, 2)
+    p3 = pipe("p3", {"limit": 24, "draft_vocab": 4096, "seed": 1}, {"storage": "fp8-aux"},
+              {"ttt_steps": 2, "seed": 1}, 2)
     inbox = root / "conversations"  # what arrived for the first night: ShareGPT records 100-129
     inbox.mkdir(parents=True, exist_ok=True)
     raw = (x for x in iter_source(resolve_source("sharegpt"), ReadStats()) if hasattr(x, "obj"))

@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--aux-layers", default=None, help="aux ids for the cache without --draft (default: the target's)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads while building the caches")
     ap.add_argument("--replay-threads", default="2", help="thread counts to time the replay at, e.g. 1,2")
-    ap.add_argument("--live", type=int, default=0, help="compare live decoding with replay on the first N conversations")
+    ap.add_argument("--live", type=int, default=0,
+                    help="compare live decoding with replay on the first N conversations")
     ap.add_argument("--cache", default=None, help="cache root (default $EAGLE3_CACHE_DIR/replay)")
     ap.add_argument("--compare-build", action="store_true",
                     help="time the cache build at 1 thread + stock linears against --threads + packed linears")
@@ -96,7 +97,8 @@ def main() -> None:
         draft = cast_draft(draft, p.device, p.dtype).eval()
         aux_ids = draft.config.aux_layer_ids
     else:
-        aux_ids = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else default_aux_ids(len(model.get_decoder().layers))
+        aux_ids = ([int(x) for x in a.aux_layers.split(",")] if a.aux_layers
+                   else default_aux_ids(len(model.get_decoder().layers)))
     res: dict = {"model": a.model, "draft": a.draft, "prompts": a.prompts, "num_prompts": len(convs), "k": a.k,
                  "max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size, "threads": a.threads,
                  "loadavg_start": os.getloadavg()[0]}
@@ -172,7 +174,8 @@ def compare_build(a) -> None:
     target = Target.open(a.model)
     model = target.load_model(head=True, device="cpu")
     convs, _ = load_prompts(a.prompts, a.limit)
-    aux_ids = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else default_aux_ids(len(model.get_decoder().layers))
+    aux_ids = ([int(x) for x in a.aux_layers.split(",")] if a.aux_layers
+               else default_aux_ids(len(model.get_decoder().layers)))
     res: dict = {"prompts": a.prompts, "num_prompts": len(convs), "max_new_tokens": a.max_new_tokens,
                  "batch_size": a.batch_size, "loadavg_start": os.getloadavg()[0], "runs": []}
     built = {}
