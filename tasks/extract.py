@@ -46,7 +46,8 @@ def headline(m: HiddenStates) -> str:
 
 def publish(m: HiddenStates, out: str) -> None:
     """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
-    create_table_artifact(stats_table(m), key="extract-stats", description="eagle3 extract: tokens, tok/s, bytes, shards")
+    create_table_artifact(stats_table(m), key="extract-stats",
+                          description="eagle3 extract: tokens, tok/s, bytes, shards")
 
 
 @stage_task("extract", _key, retries=2, delay=10)

@@ -55,7 +55,8 @@ def samples_markdown(m: RegeneratedData) -> str:
 
 
 @stage_task("regenerate", _key, retries=2, delay=10)
-def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig, trust_remote_code: bool = False) -> RegeneratedData:
+def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig,
+                    trust_remote_code: bool = False) -> RegeneratedData:
     """Rewrite every assistant turn of `data` with the target (a retry resumes at the last committed chunk)."""
     log = get_run_logger()
     total = cfg.limit
