@@ -30,7 +30,8 @@ def sample_id(ids: list[int], mask: list[int]) -> str:
     return hashlib.sha256(repr((ids, mask)).encode()).hexdigest()
 
 
-def write_prepared(out: Path, splits: dict[str, list[tuple[list[int], list[int]]]], per_file: int = 1000) -> PreparedData:
+def write_prepared(out: Path, splits: dict[str, list[tuple[list[int], list[int]]]],
+                   per_file: int = 1000) -> PreparedData:
     """splits: name -> [(input_ids, loss_mask)]. Writes Parquet shards + a sealed PreparedData manifest."""
     out.mkdir(parents=True, exist_ok=True)
     infos: dict[str, list[ShardInfo]] = {}

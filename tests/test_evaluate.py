@@ -203,7 +203,8 @@ def test_packed_cpu_kernels_decode_as_stock(target, tiny_llama_dir, convs, eos):
     packed = measure(model, tok, DraftProposer(d), d.config.aux_layer_ids, convs, K, MAX_NEW, eos)
     assert stock["cpu_linear"] == {} and set(packed["cpu_linear"]) == {*map(str, range(1, K + 2)), f"{K + 2}+"}
     assert packed["lossless"] is True
-    assert [t["text"] for it in packed["items"] for t in it["turns"]] == [t["text"] for it in stock["items"] for t in it["turns"]]
+    assert ([t["text"] for it in packed["items"] for t in it["turns"]]
+            == [t["text"] for it in stock["items"] for t in it["turns"]])
     for key in ("acceptance_length", "num_drafts", "num_accepted_tokens_per_pos"):
         assert packed[key] == stock[key]
     from eagle3.cpu_linear import PackedLinear
@@ -272,7 +273,8 @@ def test_load_speculators_dir(target, tiny_llama_dir, tmp_path):
     d = random_draft(tiny_llama_dir, seed=3, norm_before_fc=True, norm_output=True, norm_before_residual=False)
     d.embed_tokens.weight.data.copy_(emb)
     for embed in (False, True):
-        got, fmt = load_draft(write_speculators(d, tmp_path / f"spec{embed}", tiny_llama_dir, embed), tiny_llama_dir, emb)
+        got, fmt = load_draft(write_speculators(d, tmp_path / f"spec{embed}", tiny_llama_dir, embed), tiny_llama_dir,
+                              emb)
         assert fmt == "speculators" and got.config == d.config
         _same(got, d)
     # and it proposes what the original proposes

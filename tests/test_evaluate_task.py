@@ -41,5 +41,6 @@ def test_eval_task_writes_report_and_artifacts_and_caches(tiny_llama_dir, tmp_pa
         arts = {a.key: a for a in c.read_artifacts() if a.key in ("eval-results", "eval-report")}
     assert set(arts) == {"eval-results", "eval-report"}
     assert "data:image/png;base64," in arts["eval-report"].data
-    rows = json.loads(arts["eval-results"].data) if isinstance(arts["eval-results"].data, str) else arts["eval-results"].data
+    rows = (json.loads(arts["eval-results"].data) if isinstance(arts["eval-results"].data, str)
+            else arts["eval-results"].data)
     assert {"what": "lossless", "value": True} in rows

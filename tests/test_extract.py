@@ -111,7 +111,8 @@ def test_smollm2_parity_and_storage(smollm2_dir, tmp_path):
     rows = chat_samples(tok, 8, repeat=2)  # ~8 x 90 real chat tokens
     prep = tmp_path / "prep"
     write_prepared(prep, {"train": rows})
-    backend = HFBackend(Target.open(smollm2_dir).load_model(head=False, device="cpu"), [2, 15, 27, 30], batch_tokens=4096)
+    backend = HFBackend(Target.open(smollm2_dir).load_model(head=False, device="cpu"), [2, 15, 27, 30],
+                        batch_tokens=4096)
     lm = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     refs = [_reference(lm, ids) for ids, _ in rows]
     agree = {}

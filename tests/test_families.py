@@ -29,7 +29,8 @@ from families import FAMILIES, reference_lm
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 CONV = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
-        {"role": "user", "content": "Tell me a joke"}, {"role": "assistant", "content": "Why did the chicken cross the road?"}]
+        {"role": "user", "content": "Tell me a joke"},
+        {"role": "assistant", "content": "Why did the chicken cross the road?"}]
 # family -> (end-of-turn token, template text before each answer that must stay untrained)
 EOT = {"llama-3.1": ("<|eot_id|>", ["<|start_header_id|>assistant<|end_header_id|>\n\n"] * 2),
        "qwen3": ("<|im_end|>", ["<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"]),

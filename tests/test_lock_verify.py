@@ -14,7 +14,8 @@ import pytest
 from eagle3.lock import LockedError, RunLock
 
 REPO = Path(__file__).resolve().parents[1]
-HOLD = "import sys, time; from eagle3.lock import RunLock\nwith RunLock(sys.argv[1]):\n print('held', flush=True); time.sleep(600)"
+HOLD = ("import sys, time; from eagle3.lock import RunLock\n"
+        "with RunLock(sys.argv[1]):\n print('held', flush=True); time.sleep(600)")
 
 
 def hold(d: Path) -> subprocess.Popen:

@@ -242,7 +242,8 @@ def test_bad_input_is_counted_and_named(tmp_path, tiny_llama_dir):
         '{"id": "broken", "messages": [',
         json.dumps({"id": "alien", "messages": [{"role": "robot", "content": "x"}]}),
         json.dumps({"id": "lonely", "messages": [{"role": "user", "content": "anyone?"}]}),
-        json.dumps({"id": "blank", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}),
+        json.dumps({"id": "blank",
+                    "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}),
         json.dumps({**good, "id": "g2"}),
     ]) + "\n")
     m = regenerate(tiny_llama_dir, str(src), tmp_path / "out", RegenConfig(max_new_tokens=4))
@@ -278,7 +279,8 @@ def test_reasoning_empty_answers_and_long_prompts(tmp_path, tiny_llama_dir):
     m = regenerate(tiny_llama_dir, str(src), tmp_path / "drop", RegenConfig(reasoning="drop"),
                    generator=Scripted(tok, texts))
     recs = read_records(tmp_path / "drop")
-    assert [[x["content"] for x in r["messages"] if x["role"] == "assistant"] for r in recs] == [["Zero.", "Sq."], ["One."]]
+    assert ([[x["content"] for x in r["messages"] if x["role"] == "assistant"] for r in recs]
+            == [["Zero.", "Sq."], ["One."]])
     assert m.skipped == {"empty_answer": 1}  # r2 answered nothing but reasoning
     m = regenerate(tiny_llama_dir, str(src), tmp_path / "keep", RegenConfig(reasoning="keep"),
                    generator=Scripted(tok, texts))

@@ -31,8 +31,9 @@ def head(tmp_path_factory, tiny_llama_dir):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread (OpenMP waits dominate on a shared CPU)
     regenerate(tiny_llama_dir, "sharegpt", root / "regen", RegenConfig(limit=24, max_new_tokens=64, batch_size=8))
-    prepare(tiny_llama_dir, root / "prep", PrepareConfig(data=str(root / "regen" / "regenerated.jsonl"),
-                                                         max_len=256, draft_vocab=1024, val_fraction=0.1), progress=False)
+    prepare(tiny_llama_dir, root / "prep",
+            PrepareConfig(data=str(root / "regen" / "regenerated.jsonl"), max_len=256, draft_vocab=1024,
+                          val_fraction=0.1), progress=False)
     run_extract(tiny_llama_dir, root / "prep", root / "hid", ExtractConfig(aux_layer_ids=AUX), show_progress=False)
     extract_verifier(tiny_llama_dir, root / "prep", root / "ver")
     cfg = TrainConfig(ttt_steps=3, max_steps=40, epochs=20, pack_tokens=256, lr=3e-3, warmup_steps=2, threads=1,
@@ -178,7 +179,8 @@ def test_aux_states_on_packed_linears_equal_stock_to_rounding_and_rebuild_bitwis
     stock, _ = aux_states(base, turns, AUX, tmp_path / "a", packed=False)
     packed, _ = aux_states(base, turns, AUX, tmp_path / "b", packed=True)
     again, _ = aux_states(base, turns, AUX, tmp_path / "c", packed=True)
-    assert all(torch.equal(x, y) for x, y in zip(packed, again, strict=True))  # one kernel (timed=False): reruns bitwise equal
+    # one kernel (timed=False): reruns bitwise equal
+    assert all(torch.equal(x, y) for x, y in zip(packed, again, strict=True))
     for x, y in zip(stock, packed, strict=True):  # bf16 states: at most about one rounding step apart
         torch.testing.assert_close(y.float(), x.float(), rtol=2 ** -7, atol=2 ** -7 * x.float().abs().max().item())
     assert type(base.layers[0].mlp.up_proj) is torch.nn.Linear  # the swap is undone
