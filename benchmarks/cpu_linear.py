@@ -47,10 +47,12 @@ def main() -> None:
         for p in packed:
             p.kernel_for = {rows: "gemv"}
         kernels = {
-            "stock": lambda: [m(xs[m.in_features]) for m in lins],
-            "gemv": lambda: [p(xs[p.linear.in_features]) for p in packed],
-            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[p.linear.in_features], p.packed, None, "none", [], "")
-                               for p in packed],
+            "stock": lambda xs=xs: [m(xs[m.in_features]) for m in lins],
+            "gemv": lambda xs=xs: [p(xs[p.linear.in_features]) for p in packed],
+            "onednn": lambda xs=xs: [
+                torch.ops.mkldnn._linear_pointwise(xs[p.linear.in_features], p.packed, None, "none", [], "")
+                for p in packed
+            ],
         }
         if rows > 8:
             del kernels["gemv"]  # a GEMV per row would re-read every weight `rows` times

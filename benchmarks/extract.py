@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO))
 
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import ExtractConfig, PrepareConfig  # noqa: E402
-from eagle3.extract import run_extract
-from eagle3.store import open_store  # noqa: E402
+from eagle3.extract import run_extract  # noqa: E402
 from eagle3.extract.hf import HFBackend  # noqa: E402
+from eagle3.store import open_store  # noqa: E402
 from eagle3.target import Target  # noqa: E402
 
 

@@ -26,10 +26,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft  # noqa: E402
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig  # noqa: E402
+from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft  # noqa: E402
 from eagle3.store import open_store  # noqa: E402
 from eagle3.target import Target  # noqa: E402
+
 from families import FAMILIES, build, corpus, reference_lm  # noqa: E402
 
 
@@ -74,7 +75,8 @@ def main() -> None:
             path = tmp / f"{fam}.json"
             path.write_text(cfg.model_dump_json())
             cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(path)]
-            env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect" / fam), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+            env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect" / fam),
+                   "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
             env.pop("PREFECT_API_URL", None)
             t0 = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
@@ -86,12 +88,14 @@ def main() -> None:
             prep, hid = PreparedData.read(run / "prepare"), HiddenStates.read(run / "extract")
             tr, ev = TrainedDraft.read(run / "train"), EvalReport.read(run / "eval")
             fig = {
-                "architecture": t.architecture, "tokenizer": type(tok).__name__, "fast_tokenizer": hasattr(tok, "backend_tokenizer"),
+                "architecture": t.architecture, "tokenizer": type(tok).__name__,
+                "fast_tokenizer": hasattr(tok, "backend_tokenizer"),
                 "vocab_rows": t.vocab_rows, "tokenizer_length": len(tok), "layer_ids": hid.layer_ids,
                 "conversations_kept": prep.records_kept, "tokens": prep.num_tokens,
                 "trainable_tokens": prep.num_trainable_tokens, "extract_tok_per_s": hid.stats.get("tokens_per_second"),
                 "max_state_error_vs_transformers": max_state_error(model, str(run / "extract"), hid.layer_ids),
-                "train_steps": tr.steps, "val_sim_tau": tr.val.get("sim_tau"), "val_loss": tr.val.get("loss"), "tau": round(ev.acceptance_length, 4),
+                "train_steps": tr.steps, "val_sim_tau": tr.val.get("sim_tau"), "val_loss": tr.val.get("loss"),
+                "tau": round(ev.acceptance_length, 4),
                 "lossless": ev.lossless, "eval_prompts": ev.num_prompts, "wall_seconds": round(wall, 1),
             }
             out[fam] = fig

@@ -173,7 +173,8 @@ def main() -> int:
                   "committed_before": e.committed, "rerun_exit": e.second_rc,
                   "equal": e.second_rc == 0 and fd.shard_digests(e.out) == fd.shard_digests(x.hid)}
         print(f"ENOSPC (tmpfs at 40% of the shards): exit {e.first_rc}, {e.committed} shards committed, "
-              f"{len(e.leftovers)} temp files left; rerun after growing it: exit {e.second_rc}, equal={enospc['equal']}")
+              f"{len(e.leftovers)} temp files left; rerun after growing it: exit {e.second_rc}, "
+              f"equal={enospc['equal']}")
         print(f"  message: {e.message}")
         t = fd.enospc_train(x, root / "enospc-train")
         enospc_train = {"first_exit": t.first_rc, "message": t.message, "leftovers": len(t.leftovers),

@@ -200,9 +200,9 @@ def train_flops_per_token(c, k: int, L: int, docs: int) -> float:
     (L/docs + 1) / 2) plus the j diagonal keys; fc once. The frozen embedding is a lookup. The
     target head (no grad): draft-vocab logits plus the full-vocab argmax, V x H.
     """
-    H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+    H, Hi, D = c.hidden_size, c.intermediate_size, c.head_dim
     Hq, Hkv, Vd, V = c.num_attention_heads, c.num_key_value_heads, c.draft_vocab_size, c.vocab_size
-    dense = 2 * (2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I + H * Vd)
+    dense = 2 * (2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * Hi + H * Vd)
     keys = sum((L / docs + 1) / 2 + j for j in range(k))
     fwd = k * dense + 2 * 3 * c.target_hidden_size * H + 4 * Hq * D * keys
     return 3 * fwd + 2 * H * (Vd + V)
@@ -291,7 +291,7 @@ def trainer(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     checks = {"losses_finite": all(math.isfinite(x) for ls in losses.values() for x in ls)}
     if len(losses) == 2:
         a, b = losses["ddp"], losses["fsdp"]
-        diff = max(abs(x - y) for x, y in zip(a, b))
+        diff = max(abs(x - y) for x, y in zip(a, b, strict=False))
         out["loss_max_abs_diff"] = diff
         # bf16 matmuls may be scheduled differently after the first update: a relative 1e-3 then
         checks["ddp_fsdp_equal_losses"] = len(a) == len(b) and diff <= (1e-3 if cuda else 1e-5) * max(map(abs, a))
@@ -375,9 +375,10 @@ def attention(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
         errs[impl] = {"out": rel_err(o, ref), "grads": None}
         if has_bwd(impl):
             o.backward(dout.to(dev, dtype))
-            errs[impl]["grads"] = max(rel_err(a.grad, r.grad) for a, r in zip(x, ref_x))
+            errs[impl]["grads"] = max(rel_err(a.grad, r.grad) for a, r in zip(x, ref_x, strict=True))
     out["equality"] = {"L": L, "documents": 3, "tolerance": tol, "reference": "fp64 math on the CPU", **errs}
-    print(f"equality at L={L}: " + ", ".join(f"{i} out {e['out']:.1e} grads {e['grads'] or 0:.1e}" for i, e in errs.items()),
+    print(f"equality at L={L}: "
+          + ", ".join(f"{i} out {e['out']:.1e} grads {e['grads'] or 0:.1e}" for i, e in errs.items()),
           flush=True)
     out["checks"] = {f"{i}_equals_reference": e["out"] <= tol and (e["grads"] or 0) <= tol for i, e in errs.items()}
     del x, ref_x, ref, scores, rk, rv
@@ -425,7 +426,7 @@ def attention(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
                 res[impl] = {"oom": str(e).splitlines()[0][:200]}
                 print(f"L={L:6d} {impl:5s} OOM", flush=True)
             finally:
-                x = g = mask = o = None
+                x = g = mask = o = None  # noqa: F841  an OOM can leave o bound: drop every ref before free(dev)
                 free(dev)
         for other in ("flex", "sdpa"):
             a, b = res.get("ours", {}), res.get(other, {})
@@ -445,9 +446,10 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     from eagle3.config import ExtractConfig, PrepareConfig
     from eagle3.data.prepare import prepare
     from eagle3.extract import run_extract
-    from eagle3.store import open_store
     from eagle3.extract.hf import HFBackend
+    from eagle3.store import open_store
     from eagle3.target import Target
+
     from extract import TimedHF  # benchmarks/extract.py
 
     class Timed(TimedHF):
@@ -497,7 +499,8 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     store = open_store(hid)
     smp = max(store, key=lambda x: len(x["input_ids"]))
     with torch.inference_mode():
-        hs = base(input_ids=torch.as_tensor(smp["input_ids"]).long()[None].to(dev), output_hidden_states=True).hidden_states
+        hs = base(input_ids=torch.as_tensor(smp["input_ids"]).long()[None].to(dev),
+                  output_hidden_states=True).hidden_states
     ref = torch.stack([hs[i][0] for i in (2, N // 2, N - 3)], 1)  # [T, 3, H]; HF's hidden_states[k] enters layer k
     out["aux_rel_err"] = rel_err(smp["aux_hidden_states"].float(), ref.float())
     tol = 2e-2 if cuda else 5e-3  # bf16 storage rounds by ~2e-3; on CUDA bf16 batched vs unbatched kernels too
@@ -543,13 +546,12 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from eagle3.eval.decode import TargetLM, greedy_generate
     from eagle3.config import EvalConfig
+    from eagle3.eval.decode import TargetLM, greedy_generate
     from eagle3.eval.run import evaluate, load_target
-    from eagle3.formats import load_draft
+    from eagle3.formats import export, load_draft
     from eagle3.model import DraftConfig, Eagle3Draft
     from eagle3.target import prompt_ids
-    from eagle3.formats import export
 
     cuda = dev.type == "cuda"
     shape, k, max_new = s["eval_target"], s["eval_k"], s["eval_max_new"]
@@ -649,7 +651,7 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     d2 = draft_dir("decisive-draft", t2, decisive=True)
     r32, s32, _ = run_eval(t2, d2, "eval-fp32-cpu", bf16=False)
     r16, s16, _ = run_eval(t2, d2, "eval-bf16", bf16=True)
-    same_text = [a["turns"] == b["turns"] for a, b in zip(s32, s16)]
+    same_text = [a["turns"] == b["turns"] for a, b in zip(s32, s16, strict=True)]
     out["tau_vs_fp32_cpu"] = {"tau_bf16": r16["acceptance_length"], "tau_fp32_cpu": r32["acceptance_length"],
                               "per_position_bf16": r16["per_position_acceptance"],
                               "per_position_fp32_cpu": r32["per_position_acceptance"],
@@ -671,7 +673,8 @@ def gpu_tests(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
 
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
     env = dict(os.environ)
-    assets = REPO / ".gpu" / "assets"  # staged by benchmarks/fetch_gpu_wheels.sh (SmolLM2's tokenizer, 40 ShareGPT records)
+    # staged by benchmarks/fetch_gpu_wheels.sh (SmolLM2's tokenizer, 40 ShareGPT records)
+    assets = REPO / ".gpu" / "assets"
     if assets.is_dir():
         env.setdefault("EAGLE3_TEST_TOKENIZER", str(assets / "smollm2-tokenizer"))
         env.setdefault("EAGLE3_TEST_SHAREGPT", str(assets / "sharegpt-40.json"))
@@ -846,7 +849,8 @@ def main() -> int:
                                 for c, v in sc.get("result", {}).get("checks", {}).items() if not v]
             report["failed"] += [n for n, sc in report["sections"].items() if sc["status"] != "ok"]
             report["ok"] = not report["failed"]
-            report["skipped"] = [f"{n}.{path}" for n, sc in report["sections"].items() for path in skipped(sc.get("result"))]
+            report["skipped"] = [f"{n}.{path}" for n, sc in report["sections"].items()
+                                 for path in skipped(sc.get("result"))]
             tmp_json = out / "gpu_check.json.tmp"
             tmp_json.write_text(json.dumps(report, indent=1, default=str))
             tmp_json.replace(out / "gpu_check.json")

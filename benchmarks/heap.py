@@ -52,7 +52,7 @@ def train_steps(steps: int, warmup: int):
     model = TTT(draft, 3, 256, step_weights(3))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
-    for i in range(warmup + steps):
+    for _ in range(warmup + steps):
         L = int(torch.randint(1536, 2049, (1,), generator=g))
         batch = {"input_ids": torch.randint(0, V, (1, L), generator=g), "aux": torch.randn(1, L, 3, H, generator=g),
                  "position_ids": torch.arange(L).remainder(L // 4 + 1)[None],
@@ -102,8 +102,10 @@ def child(workload: str, steps: int, warmup: int) -> dict:
         tokens += n
     dt, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     return {"mode": mode, "tokens_per_s": round(tokens / dt, 1), "system_s": round(r1.ru_stime - r0.ru_stime, 2),
-            "user_s": round(r1.ru_utime - r0.ru_utime, 2), "faults_per_step": round((r1.ru_minflt - r0.ru_minflt) / steps),
-            "rss_end_mb": round(rss_mb()), "peak_rss_mb": round(r1.ru_maxrss / 1024), "threads": torch.get_num_threads()}
+            "user_s": round(r1.ru_utime - r0.ru_utime, 2),
+            "faults_per_step": round((r1.ru_minflt - r0.ru_minflt) / steps),
+            "rss_end_mb": round(rss_mb()), "peak_rss_mb": round(r1.ru_maxrss / 1024),
+            "threads": torch.get_num_threads()}
 
 
 def main() -> None:
@@ -136,8 +138,8 @@ def main() -> None:
                 r = json.loads(p.stdout.strip().splitlines()[-1])
                 runs[mode].append(r)
                 print(f"{w:>7} {mode:>7}: {r['tokens_per_s']:7.1f} tok/s  system {r['system_s']:5.2f} s  "
-                      f"user {r['user_s']:6.2f} s  {r['faults_per_step']:>7} faults/step  RSS end {r['rss_end_mb']} MB, "
-                      f"peak {r['peak_rss_mb']} MB", flush=True)
+                      f"user {r['user_s']:6.2f} s  {r['faults_per_step']:>7} faults/step  "
+                      f"RSS end {r['rss_end_mb']} MB, peak {r['peak_rss_mb']} MB", flush=True)
         best = {m: max(rs, key=lambda r: r["tokens_per_s"]) for m, rs in runs.items()}
         ratio = best["retain"]["tokens_per_s"] / best["release"]["tokens_per_s"]
         print(f"{w}: retain / release throughput {ratio:.3f}x, peak RSS {best['retain']['peak_rss_mb']} vs "

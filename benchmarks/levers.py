@@ -161,8 +161,8 @@ def table(root: Path) -> None:
         rows[r["lever"]] = r
     ci = lambda t, c: f"{t:.3f} [{c[0]:.3f}, {c[1]:.3f}]"  # noqa: E731
     dl = lambda x: "{:+.3f} [{:+.3f}, {:+.3f}]".format(*x)  # noqa: E731
-    print("| lever | setting | steps | train CPU s (wall s) | replay tau k=3 [95% CI] | vs baseline, k=3 [paired 95% CI] "
-          "| tau k=5 [95% CI] (vs baseline) | per position (k=3) |")
+    print("| lever | setting | steps | train CPU s (wall s) | replay tau k=3 [95% CI] "
+          "| vs baseline, k=3 [paired 95% CI] | tau k=5 [95% CI] (vs baseline) | per position (k=3) |")
     print("|---|---|---|---|---|---|---|---|")
     for name in sorted(rows, key=lambda n: (n != "baseline", rows[n].get("at", ""))):
         r = rows[name]
@@ -170,7 +170,8 @@ def table(root: Path) -> None:
             r.update(paired_deltas(root, name, k))
         setting = {**r["train"], **LEVERS.get(name, ({}, {}, []))[1]}
         cpu = f"{r['train_cpu_s']:.0f} ({r['train_wall_s']:.0f})" if r.get("train_cpu_s") else ""
-        k5 = ci(r["tau_k5"], r["ci_k5"]) + (f" ({dl(r['delta_k5'])})" if "delta_k5" in r else "") if "tau_k5" in r else ""
+        k5 = (ci(r["tau_k5"], r["ci_k5"]) + (f" ({dl(r['delta_k5'])})" if "delta_k5" in r else "")
+              if "tau_k5" in r else "")
         pp = " / ".join(f"{x:.3f}" for x in r["per_position_k3"])
         vs = "; ".join(([dl(r["delta_k3"])] if "delta_k3" in r else [])
                        + ([f"vs demo {dl(r['vs_demo_k3'])}"] if "vs_demo_k3" in r else []))
@@ -198,7 +199,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="MT-Bench questions (default all 80)")
     ap.add_argument("--base", default=None, help="JSON of baseline training overrides (e.g. a shorter run)")
     ap.add_argument("--list", action="store_true")
-    ap.add_argument("--table", action="store_true", help="print the table of every run in --root/results.jsonl and exit")
+    ap.add_argument("--table", action="store_true",
+                    help="print the table of every run in --root/results.jsonl and exit")
     ap.add_argument("--score", default=None, metavar="NAME=DIR",
                     help="score a head trained elsewhere (e.g. the demo's runs/demo/train) as lever NAME, and exit")
     a = ap.parse_args()
@@ -208,7 +210,9 @@ def main() -> None:
         name, train = a.score.split("=", 1)
         man = json.loads((Path(train) / "manifest.json").read_text())
         (Path(a.root) / name).mkdir(parents=True, exist_ok=True)
-        row = {"lever": name, "train": {k: man["config"][k] for k in ("epochs", "lr", "ttt_steps", "loss") if k in man.get("config", {})},
+        row = {"lever": name,
+               "train": {k: man["config"][k] for k in ("epochs", "lr", "ttt_steps", "loss")
+                         if k in man.get("config", {})},
                "steps": man["steps"], "best_step": man["best_step"], "best_metric": man.get("best_metric"),
                "val_replay_tau": man.get("best_replay_tau"), "draft": str(Path(train) / "final")}
         score(a, Path(a.root), name, Path(train) / "final", [3], row)

@@ -64,14 +64,15 @@ def round_parts(model, draft, tok, aux_ids, ks: list[int], ctx: int, repeats: in
         spec.reset()
         _, aux = spec.forward(ids)
         for k in ks:
-            def verify() -> None:
+            def verify(k: int = k) -> None:  # timed below, in this iteration; k bound all the same
                 spec.forward([ids[-1]] * (k + 1))
                 spec.crop(n0)
 
             prop = DraftProposer(draft)
             prop.propose(ids + [ids[-1]], aux, k)  # the draft's cache of the context, as mid-answer
 
-            def propose_next() -> None:  # a round after the context: one new verified state, k proposals
+            # a round after the context: one new verified state, k proposals
+            def propose_next(prop: DraftProposer = prop, k: int = k) -> None:
                 prop.n_ctx = len(ids)  # (propose crops its cache back to the context itself)
                 prop.propose(ids + [ids[-1], ids[-1]], aux[-1:], k)
 

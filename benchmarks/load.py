@@ -54,11 +54,12 @@ def configs(root: Path, model: Path) -> dict[str, tuple[str, dict]]:
 
     p1 = pipe("p1", {"limit": 24, "draft_vocab": 2048}, {}, {"ttt_steps": 2}, 2)
     p2 = pipe("p2", {"limit": 32, "draft_vocab": 2048}, {"storage": "fp8"}, {"ttt_steps": 3}, 3)
-    p3 = pipe("p3", {"limit": 24, "draft_vocab": 4096, "seed": 1}, {"storage": "fp8-aux"}, {"ttt_steps": 2, "seed": 1}, 2)
+    p3 = pipe("p3", {"limit": 24, "draft_vocab": 4096, "seed": 1}, {"storage": "fp8-aux"},
+              {"ttt_steps": 2, "seed": 1}, 2)
     inbox = root / "conversations"  # what arrived for the first night: ShareGPT records 100-129
     inbox.mkdir(parents=True, exist_ok=True)
     raw = (x for x in iter_source(resolve_source("sharegpt"), ReadStats()) if hasattr(x, "obj"))
-    recs = [r.obj for _, r in zip(range(130), raw)][100:]
+    recs = [r.obj for _, r in zip(range(130), raw, strict=False)][100:]
     (inbox / "day1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     base = pipe("nightly-base", {"draft_vocab": 2048}, {}, {"ttt_steps": 2}, 2)
     night = {"conversations": str(inbox), "root": str(root / "runs" / "nightly"), "margin": 0.05,
@@ -110,7 +111,7 @@ def main() -> int:
             time.sleep(0.2)
         holder = json.loads(first.read_text())
         dup = ps.submit(c, PIPELINE, runs["p1"][1], LOCAL)
-        done = dict(zip([*subs, "duplicate"], ps.wait(c, [*subs.values(), dup], a.timeout)))
+        done = dict(zip([*subs, "duplicate"], ps.wait(c, [*subs.values(), dup], a.timeout), strict=True))
         wall = time.time() - t0
         states = {n: r.state.name for n, r in done.items()}
         print(f"concurrent phase: {wall:.0f} s; states {states}", flush=True)

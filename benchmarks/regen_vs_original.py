@@ -68,7 +68,8 @@ def main() -> None:
     r = regenerate(model, str(src), w / "regen", RegenConfig(max_new_tokens=a.max_new, max_len=a.max_len, batch_size=8))
     regen_s = time.perf_counter() - t0
     sources = {"original": str(src), "regenerated": str(w / "regen" / "regenerated.jsonl")}
-    results = {"regenerate": {"seconds": round(regen_s), **{k: v for k, v in r.stats.items() if isinstance(v, (int, float))}}}
+    results = {"regenerate": {"seconds": round(regen_s),
+                              **{k: v for k, v in r.stats.items() if isinstance(v, (int, float))}}}
     vocab_from = None
     for name, data in sources.items():
         d = w / name

@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import RegenConfig  # noqa: E402
 from eagle3.generate import HFGenerator  # noqa: E402
-from eagle3.regenerate.run import OUT_FILE, regenerate  # noqa: E402
 from eagle3.regenerate.hf import load_hf  # noqa: E402
+from eagle3.regenerate.run import OUT_FILE, regenerate  # noqa: E402
 from eagle3.target import Target  # noqa: E402
 
 

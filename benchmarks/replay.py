@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--aux-layers", default=None, help="aux ids for the cache without --draft (default: the target's)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads while building the caches")
     ap.add_argument("--replay-threads", default="2", help="thread counts to time the replay at, e.g. 1,2")
-    ap.add_argument("--live", type=int, default=0, help="compare live decoding with replay on the first N conversations")
+    ap.add_argument("--live", type=int, default=0,
+                    help="compare live decoding with replay on the first N conversations")
     ap.add_argument("--cache", default=None, help="cache root (default $EAGLE3_CACHE_DIR/replay)")
     ap.add_argument("--compare-build", action="store_true",
                     help="time the cache build at 1 thread + stock linears against --threads + packed linears")
@@ -96,7 +97,8 @@ def main() -> None:
         draft = cast_draft(draft, p.device, p.dtype).eval()
         aux_ids = draft.config.aux_layer_ids
     else:
-        aux_ids = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else default_aux_ids(len(model.get_decoder().layers))
+        aux_ids = ([int(x) for x in a.aux_layers.split(",")] if a.aux_layers
+                   else default_aux_ids(len(model.get_decoder().layers)))
     res: dict = {"model": a.model, "draft": a.draft, "prompts": a.prompts, "num_prompts": len(convs), "k": a.k,
                  "max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size, "threads": a.threads,
                  "loadavg_start": os.getloadavg()[0]}
@@ -149,14 +151,14 @@ def main() -> None:
         props = proposals(draft, [turns[i] for i in sel], [aux[i] for i in sel], a.k, a.max_new_tokens)
         live_t, prop = TargetLM(model, aux_ids), DraftProposer(draft)
         rounds = disagree = equal = 0
-        for i, p in zip(sel, props):
+        for i, p in zip(sel, props, strict=True):
             t = turns[i]
             st = Stats(a.k)
             out = speculative_generate(live_t, prop, t.ids[: t.prompt_len], a.k, a.max_new_tokens, eos, st)
             equal += out == t.ids[t.prompt_len : t.prompt_len + t.answer_len]
             r = walk(t, p, a.k, a.max_new_tokens, eos)
             rounds += len(st.rounds)
-            disagree += sum(x != y for x, y in zip(r, st.rounds)) + abs(len(r) - len(st.rounds))
+            disagree += sum(x != y for x, y in zip(r, st.rounds, strict=False)) + abs(len(r) - len(st.rounds))
         res["live_vs_replay"] = {"conversations": a.live, "turns": len(sel), "live_rounds": rounds,
                                  "disagreeing_rounds": disagree, "live_equals_cached_answer": equal}
         print(f"live vs replay: {len(sel)} turns, {rounds} live rounds, {disagree} disagree; "
@@ -172,7 +174,8 @@ def compare_build(a) -> None:
     target = Target.open(a.model)
     model = target.load_model(head=True, device="cpu")
     convs, _ = load_prompts(a.prompts, a.limit)
-    aux_ids = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else default_aux_ids(len(model.get_decoder().layers))
+    aux_ids = ([int(x) for x in a.aux_layers.split(",")] if a.aux_layers
+               else default_aux_ids(len(model.get_decoder().layers)))
     res: dict = {"prompts": a.prompts, "num_prompts": len(convs), "max_new_tokens": a.max_new_tokens,
                  "batch_size": a.batch_size, "loadavg_start": os.getloadavg()[0], "runs": []}
     built = {}
@@ -193,10 +196,10 @@ def compare_build(a) -> None:
         print(f"{name}: {threads} thread(s), {'packed' if packed else 'stock'} aux forward: continuations "
               f"{c1.wall:.1f} s, aux states {c2.wall:.1f} s, total {c1.wall + c2.wall:.1f} s", flush=True)
     (t0, x0), (t1, x1) = built["old"], built["new"]
-    same = [u.ids == v.ids for u, v in zip(t0, t1)]
+    same = [u.ids == v.ids for u, v in zip(t0, t1, strict=True)]
     # relative to the tensor's largest magnitude: SmolLM2's states reach the hundreds, where one bf16 step is 1-2
     diff = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
-               for x, y, s in zip(x0, x1, same) if s) if any(same) else 0.0
+               for x, y, s in zip(x0, x1, same, strict=True) if s) if any(same) else 0.0
     res.update(speedup=round(res["runs"][0]["total_s"] / res["runs"][1]["total_s"], 2),
                turns_equal=f"{sum(same)}/{len(same)}", aux_max_rel_diff_equal_turns=diff)
     print(f"speedup {res['speedup']}x; answers equal in {res['turns_equal']} turns; aux states differ by at most "

@@ -99,7 +99,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
     a = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
     now = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC"
     stamp = f"Ran {now} at commit `{commit}`{' (quick settings)' if a.quick else ''}."
     kept = earlier_sections(Path(a.out))
@@ -116,15 +117,18 @@ def main() -> None:
         wall = time.perf_counter() - t0
         shown = " ".join([".venv/bin/python", f"benchmarks/{script[0]}", *cmd[2:]])
         if p.returncode:
-            sections[name] = f"## {name}\n\n{stamp} `{shown}` failed (exit {p.returncode}):\n\n```\n{p.stderr[-1500:]}\n```\n"
+            sections[name] = (f"## {name}\n\n{stamp} `{shown}` failed (exit {p.returncode}):\n\n"
+                              f"```\n{p.stderr[-1500:]}\n```\n")
             print(f"{name}: FAILED", flush=True)
             continue
         figs = json.loads(p.stdout.strip().splitlines()[-1])
         rows = "\n".join(f"| {k} | {v} |" for k, v in flatten(figs))
         human = "\n".join(p.stdout.strip().splitlines()[:-1][-12:])
-        sections[name] = f"## {name}\n\n{stamp} `{shown}` ({wall:.0f} s)\n\n```\n{human}\n```\n\n| figure | value |\n|---|---|\n{rows}\n"
+        sections[name] = (f"## {name}\n\n{stamp} `{shown}` ({wall:.0f} s)\n\n```\n{human}\n```\n\n"
+                          f"| figure | value |\n|---|---|\n{rows}\n")
         print(f"{name}: done in {wall:.0f} s", flush=True)
-    head = (f"# Benchmark results\n\nMachine: {machine()}\n\nWritten {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. Every figure below is printed by the "
+    head = (f"# Benchmark results\n\nMachine: {machine()}\n\n"
+            f"Written {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. Every figure below is printed by the "
             "script named above it; ratios are measured side by side in one process where the script says so.\n")
     # the scripts' own sections first; then every other section of the file (hand-run experiments, dated
     # runs) as it was, in its order: a rerun never drops figures it did not produce

@@ -121,9 +121,9 @@ def main() -> None:
                 continue
             r = json.loads(p.stdout.strip().splitlines()[-1])
             results[f"vd{vd}_k{k}"] = r
-            print(f"draft vocab {vd:>5}, k={k}: {r['tokens_per_s']:>7.1f} tok/s ({r['tokens_per_s_cached']:.1f} with the "
-                  f"argmax cached), {r['step_s']:.2f} s/step ({a.pack}-token packs, {r['threads']} threads), "
-                  f"peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+            print(f"draft vocab {vd:>5}, k={k}: {r['tokens_per_s']:>7.1f} tok/s "
+                  f"({r['tokens_per_s_cached']:.1f} with the argmax cached), {r['step_s']:.2f} s/step "
+                  f"({a.pack}-token packs, {r['threads']} threads), peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
     print(json.dumps(results))
 
 

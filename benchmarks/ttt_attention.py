@@ -179,7 +179,8 @@ def main() -> None:
             r = json.loads(p.stdout.strip().splitlines()[-1])
             results[L][impl] = r
             print(f"L={L:5d} {impl:5s} fwd {r['fwd_s']:7.2f} s  bwd {r['bwd_s']:7.2f} s  "
-                  f"total {r['total_s']:7.2f} s  cpu {r['cpu_s']:7.2f} s  extra RSS {r['extra_bytes'] / 2**20:9.1f} MiB", flush=True)
+                  f"total {r['total_s']:7.2f} s  cpu {r['cpu_s']:7.2f} s  "
+                  f"extra RSS {r['extra_bytes'] / 2**20:9.1f} MiB", flush=True)
 
     def ratio(L, key, other):
         ours, theirs = results[L].get("ours"), results[L].get(other)

@@ -6,10 +6,10 @@ identity (a stamp keyed by path, size, mtime, ctime, inode), the other ranks wai
 
 Builds a real store of at least --gib GiB: ShareGPT conversations (up to 512 tokens) prepared with
 SmolLM2's tokenizer and template, hidden states extracted by `eagle3 extract` in fp32 from a random
-3-layer Llama with H=512 (the bytes are what is measured, not the model). Then --ranks processes start at one signal, open the
-store the way the trainer does (`open_store`) and verify every shard (each in its own shuffled
-order); the figure is the wall time from the signal until the last rank is done, and the bytes
-hashed in all. Modes, interleaved, each --repeats times:
+3-layer Llama with H=512 (the bytes are what is measured, not the model). Then --ranks processes
+start at one signal, open the store the way the trainer does (`open_store`) and verify every shard
+(each in its own shuffled order); the figure is the wall time from the signal until the last rank
+is done, and the bytes hashed in all. Modes, interleaved, each --repeats times:
 
     before  the previous code path: each rank hashes every shard (`sha256_file` per process)
     cold    no stamp on this host yet (the store was written elsewhere): one rank hashes each shard
@@ -143,8 +143,8 @@ def main() -> int:
         for mode in ("before", "cold", "warm"):  # cold then warm share one cache dir: warm finds cold's stamps
             r = start(hid, mode, a.ranks, cache, root)
             res[mode].append(r)
-            print(f"  repeat {i + 1} {mode:<6} wall {r['wall_s']:7.2f} s, hashed {r['bytes_hashed'] / (1 << 30):6.2f} GiB",
-                  flush=True)
+            print(f"  repeat {i + 1} {mode:<6} wall {r['wall_s']:7.2f} s, "
+                  f"hashed {r['bytes_hashed'] / (1 << 30):6.2f} GiB", flush=True)
     med = {k: statistics.median(r["wall_s"] for r in v) for k, v in res.items()}
     gib = {k: v[0]["bytes_hashed"] / (1 << 30) for k, v in res.items()}
     print(f"\nstart-up verification of {size / (1 << 30):.2f} GiB by {a.ranks} ranks (median of {a.repeats}):")

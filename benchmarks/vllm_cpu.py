@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4, help="prompts decoded (MT-Bench: both turns of each question)")
     ap.add_argument("--eval-prompts", default="mt-bench",
-                    help="comma-separated prompt sources, each decoded in turn (what eval --prompts takes: mt-bench, a JSONL file)")
+                    help="comma-separated prompt sources, each decoded in turn "
+                    "(what eval --prompts takes: mt-bench, a JSONL file)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip-start", action="store_true", help="leave out the engine start timings")
     ap.add_argument("--eager", action="store_true", help="extraction and decoding on eager engines (enforce_eager)")

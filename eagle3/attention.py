@@ -223,7 +223,8 @@ def ttt_attention(
     """
     B, Hq, L, D = q.shape
     if k0.shape != v0.shape or k0.shape[0] != B or k0.shape[2:] != (L, D):
-        raise ValueError(f"k0/v0 must be [B, Hkv, L, D] = [{B}, Hkv, {L}, {D}], got {tuple(k0.shape)}, {tuple(v0.shape)}")
+        raise ValueError(f"k0/v0 must be [B, Hkv, L, D] = [{B}, Hkv, {L}, {D}], "
+                         f"got {tuple(k0.shape)}, {tuple(v0.shape)}")
     Hkv = k0.shape[1]
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")

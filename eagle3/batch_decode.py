@@ -52,8 +52,10 @@ class BufferLayer(DynamicLayer):
         m = self.n + key_states.shape[-2]
         if m > self.kbuf.shape[2]:  # past the reservation: grow (amortized, never per step)
             cap = max(m, self.kbuf.shape[2] * 3 // 2)
-            self.kbuf, self.vbuf = (torch.cat([b[:, :, : self.n], b.new_empty(*b.shape[:2], cap - self.n, b.shape[3])], 2)
-                                    for b in (self.kbuf, self.vbuf))
+            self.kbuf, self.vbuf = (
+                torch.cat([b[:, :, : self.n], b.new_empty(*b.shape[:2], cap - self.n, b.shape[3])], 2)
+                for b in (self.kbuf, self.vbuf)
+            )
         self.kbuf[:, :, self.n : m] = key_states
         self.vbuf[:, :, self.n : m] = value_states
         self.n = m

@@ -82,5 +82,5 @@ def hidden_states(base: torch.nn.Module, samples: Sequence[torch.Tensor], layer_
         with catch(base, layer_ids) as caught:
             base(input_ids=ids.to(dev), use_cache=False)
         h = torch.stack(caught, dim=2).cpu()  # [B, T_max, n_ids, H]
-        for r, (i, n) in enumerate(zip(group, lengths)):
+        for r, (i, n) in enumerate(zip(group, lengths, strict=True)):
             yield i, h[r, :n]

@@ -64,7 +64,7 @@ def proposals(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: int,
     dtype = draft.fc.weight.dtype
     big = 1 << 30 if max_new is None else max_new
     out = []
-    for turn, a in zip(turns, aux):
+    for turn, a in zip(turns, aux, strict=True):
         ids = torch.tensor(turn.ids, device=dev)
         L = len(turn.ids)
         w = rounds_window(turn, big)
@@ -73,7 +73,8 @@ def proposals(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: int,
         props = torch.full((k, L), -1, dtype=torch.long)
         nxt = torch.cat([ids, ids.new_full((k + 2,), -1)])  # the target's tokens, -1 past the end
 
-        def keep(j: int, t: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        # called by ttt_states_at below, within this iteration: props and nxt bound as defaults all the same
+        def keep(j: int, t: torch.Tensor, normed: torch.Tensor, *, props=props, nxt=nxt) -> torch.Tensor:
             p = torch.cat([draft.to_target_ids(draft.logits(normed[c : c + chunk]).argmax(-1))
                            for c in range(0, normed.shape[0], chunk)])  # [n]
             props[j, t.cpu()] = p.cpu()
@@ -113,7 +114,7 @@ def replay_counts(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], k: 
     out = [0.0] * (2 + k)
     if not turns:
         return out
-    for t, p in zip(turns, proposals(draft, turns, aux, k, max_new)):
+    for t, p in zip(turns, proposals(draft, turns, aux, k, max_new), strict=True):
         for a in walk(t, p, k, max_new, eos):
             out[0] += a
             out[1] += 1

@@ -53,7 +53,8 @@ def verify_dir(d: Path, deep: bool = False) -> Finding:
     if f.kind == "train":
         from eagle3.train import checkpoint as ckpt
 
-        for c in ckpt.step_dirs(d) + ([d / ckpt.CKPT_DIR / ckpt.BEST] if (d / ckpt.CKPT_DIR / ckpt.BEST).is_dir() else []):
+        for c in ckpt.step_dirs(d) + ([d / ckpt.CKPT_DIR / ckpt.BEST]
+                                      if (d / ckpt.CKPT_DIR / ckpt.BEST).is_dir() else []):
             f.checked += 1
             if why := ckpt.problem(c, rehash=deep):
                 f.bad.append(f"{why} (a resume skips this checkpoint)")
@@ -66,7 +67,8 @@ def verify_tree(root: str | Path, deep: bool = False) -> list[Finding]:
     root = Path(root)
     if not root.exists():
         raise ValueError(f"{root} does not exist")
-    dirs = sorted({p.parent for p in root.rglob("manifest.json") if ".tmp" not in str(p) and "checkpoints" not in p.parts})
+    dirs = sorted({p.parent for p in root.rglob("manifest.json")
+                   if ".tmp" not in str(p) and "checkpoints" not in p.parts})
     if not dirs:
         raise ValueError(f"{root}: no stage manifest (manifest.json) found")
     return [verify_dir(d, deep) for d in dirs]

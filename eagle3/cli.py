@@ -36,7 +36,8 @@ def _prepare(a) -> None:
 
     m = prepare(a.model, a.out, C.from_flags(C.PrepareConfig, a), trust_remote_code=a.trust_remote_code)
     _dump(a.out, m, "records_read", "records_kept", "skipped", "num_tokens", "num_trainable_tokens",
-          "unreadable_tail_bytes", draft_vocab=m.vocab_map.draft_vocab_size, vocab_coverage=round(m.vocab_map.coverage, 6))
+          "unreadable_tail_bytes", draft_vocab=m.vocab_map.draft_vocab_size,
+          vocab_coverage=round(m.vocab_map.coverage, 6))
     if a.show:
         from eagle3.data.shards import read_split
         from eagle3.data.template import show
@@ -44,7 +45,8 @@ def _prepare(a) -> None:
 
         tok = Target.open(a.model, a.trust_remote_code).tokenizer()
         for row in read_split(a.out, "train").slice(0, a.show).to_pylist():
-            print(f"\n===== record {row['record_id']} ({len(row['input_ids'])} tokens, {sum(row['loss_mask'])} trainable) =====")
+            print(f"\n===== record {row['record_id']} ({len(row['input_ids'])} tokens, "
+                  f"{sum(row['loss_mask'])} trainable) =====")
             print(show(tok, row["input_ids"], row["loss_mask"], color=sys.stdout.isatty()))
 
 
@@ -88,8 +90,9 @@ def _replay_set(a) -> None:
 
     if a.threads:
         __import__("torch").set_num_threads(a.threads)
-    d = build_replay_set(a.model, a.prompts, a.limit, a.max_new_tokens, a.aux_layers, trust_remote_code=a.trust_remote_code,
-                         cache=a.cache, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    d = build_replay_set(a.model, a.prompts, a.limit, a.max_new_tokens, a.aux_layers,
+                         trust_remote_code=a.trust_remote_code, cache=a.cache,
+                         progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(d)  # the last line names the set (the train task reads it)
 
 
@@ -136,17 +139,23 @@ REUSE = ("--reuse", dict(action="append", default=[], metavar="DIR", help="an ea
 # name: (help, function, config, flag aliases, extra flags)
 COMMANDS = {
     "assets": ("materialize the offline demo target model", _assets, None, {},
-               [("name", dict(choices=["smollm2"], help="which asset")), ("--out", dict(required=True, help="output HF model dir"))]),
-    "prepare": ("stage 1: render, mask and tokenize conversations; build the draft vocab", _prepare, C.PrepareConfig, {},
+               [("name", dict(choices=["smollm2"], help="which asset")),
+                ("--out", dict(required=True, help="output HF model dir"))]),
+    "prepare": ("stage 1: render, mask and tokenize conversations; build the draft vocab", _prepare, C.PrepareConfig,
+                {},
                 [MODEL, OUT, TRUST, ("--show", dict(type=int, default=0, metavar="N", help="print N samples with the "
                                                     "trainable (loss-masked) spans highlighted"))]),
     "extract": ("stage 2: store the target's aux + final hidden states of prepared samples", _extract, C.ExtractConfig,
                 {"aux_layer_ids": "--aux-layers", "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp"},
                 [MODEL, PREPARED, OUT, TRUST, REUSE]),
-    "verifier": ("stage 3: read the target's embedding, final norm and lm_head", _verifier, None, {}, [MODEL, PREPARED, OUT]),
-    "train": ("stage 4: train the EAGLE-3 draft (torchrun for N > 1 processes)", _train, C.TrainConfig, T.ALIASES, T.FLAGS),
+    "verifier": ("stage 3: read the target's embedding, final norm and lm_head", _verifier, None, {},
+                 [MODEL, PREPARED, OUT]),
+    "train": ("stage 4: train the EAGLE-3 draft (torchrun for N > 1 processes)", _train, C.TrainConfig, T.ALIASES,
+              T.FLAGS),
     "eval": ("stage 5: acceptance length, speedup and a lossless check of a draft head", _eval, C.EvalConfig, {},
-             [MODEL, ("--draft", dict(required=True, help="draft dir: our final/, a native vLLM EAGLE-3 dir or a speculators dir")),
+             [MODEL,
+              ("--draft", dict(required=True,
+                               help="draft dir: our final/, a native vLLM EAGLE-3 dir or a speculators dir")),
               OUT, TRUST]),
     "replay-set": ("held-out prompts answered greedily by the target, with their aux states: what `eagle3 train "
                    "--replay` validates on (prints the dir)", _replay_set, None, {},
@@ -162,10 +171,13 @@ COMMANDS = {
                [("dir", dict(help="a run dir (or one stage dir)")),
                 ("--deep", dict(action="store_true", help="re-read every byte, even of files this host already "
                                 "hashed at their current identity (size, mtime, ctime, inode)"))]),
-    "regenerate": ("stage 0 (optional): rewrite every assistant turn with the target itself", _regenerate, C.RegenConfig,
-                   {"tensor_parallel_size": "--tp"},
-                   [MODEL, ("--data", dict(required=True, help="ShareGPT JSON, JSONL, Parquet, HF datasets dir, or 'sharegpt'")),
-                    OUT, TRUST, REUSE, ("--threads", dict(type=int, help="hf on CPU: torch threads (default: torch's)"))]),
+    "regenerate": ("stage 0 (optional): rewrite every assistant turn with the target itself", _regenerate,
+                   C.RegenConfig, {"tensor_parallel_size": "--tp"},
+                   [MODEL,
+                    ("--data", dict(required=True,
+                                    help="ShareGPT JSON, JSONL, Parquet, HF datasets dir, or 'sharegpt'")),
+                    OUT, TRUST, REUSE,
+                    ("--threads", dict(type=int, help="hf on CPU: torch threads (default: torch's)"))]),
 }
 _LOCKED = {"prepare", "extract", "verifier", "eval", "regenerate"}  # train locks in its rank-0 process
 

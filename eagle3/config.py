@@ -92,13 +92,15 @@ VllmDtype = Literal["auto", "float32", "bfloat16"]
 
 def vllm_dtype_field(why: str) -> Any:
     """The `dtype` of a stage that runs on vLLM only."""
-    return Field("auto", description=f"vllm: the engine's compute dtype; auto = bf16 on a GPU, fp32 on a CPU engine {why}")
+    return Field("auto", description=f"vllm: the engine's compute dtype; auto = bf16 on a GPU, fp32 on a CPU engine "
+                                     f"{why}")
 
 
 def engine_args_field() -> Any:
     """`engine_args`, which every stage with a vllm backend has."""
     return Field({}, description="vllm: more vllm.LLM arguments, given over eagle3's own, e.g. enforce_eager true "
-                 "(no compile at start-up: faster to start, slower to run) or max_num_seqs; on the command line as JSON")
+                 "(no compile at start-up: faster to start, slower to run) or max_num_seqs; on the command line as "
+                 "JSON")
 
 
 class PrepareConfig(_Cfg):
@@ -134,7 +136,8 @@ class PrepareConfig(_Cfg):
 class ExtractConfig(_Cfg):
     """Stage 2: run the target over prepared samples and store aux + final hidden states."""
 
-    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers) or 'vllm' (the vLLM engine, TP/PP; GPU or CPU)")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="'hf' (transformers) or 'vllm' (the vLLM engine, TP/PP; GPU or CPU)")
     aux_layer_ids: list[int] | None = Field(
         None,
         description="vLLM-convention ids of the 3 aux layers (id k = residual stream entering layer k), "
@@ -149,7 +152,8 @@ class ExtractConfig(_Cfg):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM TP size")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM PP size")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vLLM gpu_memory_utilization")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="vLLM max_num_batched_tokens; empty: vLLM's default")
+    max_num_batched_tokens: int | None = Field(None, ge=1,
+                                               description="vLLM max_num_batched_tokens; empty: vLLM's default")
     dtype: VllmDtype = vllm_dtype_field("(equal to the hf backend there to float noise)")
     engine_args: dict[str, Any] = engine_args_field()
 
@@ -174,10 +178,12 @@ class TrainConfig(_Cfg):
         "most likely tokens (HASS's harmonized objective distillation, arXiv 2408.15766)",
     )
     lk_eta: float = Field(3.0, ge=0.0, description="LK hybrid: how fast the KL weight decays as the overlap grows")
-    topk: int = Field(10, ge=1, description="loss 'topk': how many of the target's most likely tokens the extra term covers")
+    topk: int = Field(10, ge=1,
+                      description="loss 'topk': how many of the target's most likely tokens the extra term covers")
     topk_weight: float = Field(1.0, ge=0.0, description="loss 'topk': weight of the top-K cross-entropy next to the KL")
     epochs: int = Field(1, ge=1, description="passes over the train split")
-    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (overrides epochs); empty: run every epoch")
+    max_steps: int | None = Field(
+        None, ge=1, description="stop after this many optimizer steps (overrides epochs); empty: run every epoch")
     pack_tokens: int = Field(2048, ge=16, description="tokens per packed row (samples are concatenated, never padded)")
     grad_accum: int = Field(1, ge=1, description="packed rows per rank per optimizer step")
     lr: float = Field(3e-4, gt=0.0, description="peak AdamW learning rate")
@@ -188,7 +194,8 @@ class TrainConfig(_Cfg):
     grad_clip: float = Field(0.5, gt=0.0, description="max global gradient norm")
     seed: int = Field(0, description="seed of the init and of the per-epoch shuffle")
     val_every: int = Field(200, ge=1, description="validate every N optimizer steps (and at each epoch end)")
-    val_max_packs: int | None = Field(None, ge=1, description="cap validation at N packed rows; empty: the whole val split")
+    val_max_packs: int | None = Field(None, ge=1,
+                                      description="cap validation at N packed rows; empty: the whole val split")
     replay_prompts: int = Field(
         32, ge=0, description="held-out prompts (the prepared val split) the target answers greedily once, before "
         "training (hf backend); each validation replays chain decoding of the draft on those answers (replay tau: "
@@ -201,7 +208,8 @@ class TrainConfig(_Cfg):
     keep_last: int = Field(2, ge=1, description="checkpoints kept (plus the best by simulated tau)")
     log_every: int = Field(10, ge=1, description="log train metrics every N steps")
     # defaults chosen by measured simulated tau: see DraftConfig and benchmarks/norm_switches.py
-    norm_before_fc: bool = Field(False, description="RMSNorm over the 3H input of fc (speculators #692; off by measurement)")
+    norm_before_fc: bool = Field(False,
+                                 description="RMSNorm over the 3H input of fc (speculators #692; off by measurement)")
     norm_output: bool = Field(True, description="pass the normed hidden state to the next draft step")
     norm_before_residual: bool = Field(False, description="vLLM's norm_before_residual switch (off by measurement)")
     attn_block: int = Field(256, ge=16, description="query block of the TTT attention kernel")
@@ -246,7 +254,8 @@ class PipelineConfig(_Cfg):
     prepare: PrepareConfig = Field(default_factory=PrepareConfig, description=PrepareConfig.__doc__)
     extract: ExtractConfig = Field(default_factory=ExtractConfig, description=ExtractConfig.__doc__)
     train: TrainConfig = Field(default_factory=TrainConfig, description=TrainConfig.__doc__)
-    target: TargetPlan | None = Field(None, description="the target's shape, for preflight when the model dir is not on this machine")
+    target: TargetPlan | None = Field(
+        None, description="the target's shape, for preflight when the model dir is not on this machine")
     gpu_memory_gib: float = Field(141.0, gt=0, description="memory of one GPU on the extraction host (H200: 141)")
     eval: "EvalConfig" = Field(default_factory=lambda: EvalConfig(),
                                 description="Stage 5: chain speculative decoding of the target with the draft; "
@@ -276,7 +285,8 @@ class EvalConfig(_Cfg):
     k: int = Field(3, ge=1, le=32, description="draft tokens proposed per verify pass (num_speculative_tokens)")
     max_new_tokens: int = Field(256, ge=1, le=1 << 16, description="tokens generated per turn at most")
     limit: int | None = Field(None, ge=1, description="evaluate only the first N prompts; empty: all")
-    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, any machine) or 'vllm' (the vLLM engine; GPU or CPU)")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="'hf' (transformers, any machine) or 'vllm' (the vLLM engine; GPU or CPU)")
     mode: Literal["live", "replay"] = Field(
         "live", description="live: decode and time speculative vs plain greedy, check losslessness; replay: exact "
         "tau from the target's cached greedy answers and one TTT pass of the draft (no speed, no lossless check)",
@@ -312,13 +322,15 @@ class RegenConfig(_Cfg):
 
     model_config = ConfigDict(title="regenerate")  # the run form's label for this optional section
 
-    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (batched transformers, CPU or GPU) or 'vllm' (the vLLM engine, TP; GPU or CPU)")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="'hf' (batched transformers, CPU or GPU) or 'vllm' (the vLLM engine, TP; GPU or CPU)")
     max_new_tokens: int = Field(1024, ge=1, le=1 << 16, description="tokens generated per assistant turn at most")
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy (default); above 0: sample with seed")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass (only when temperature is above 0)")
     seed: int = Field(0, ge=0, description="sampling seed; each (conversation, turn) draws from its own stream")
     reasoning: Literal["keep", "drop"] = Field(
-        "keep", description="'drop' removes the think blocks of reasoning models from regenerated turns (and so from the history)"
+        "keep", description="'drop' removes the think blocks of reasoning models from regenerated turns (and so from "
+        "the history)"
     )
     max_len: int | None = Field(
         None, ge=16, description="prompt + answer tokens at most; a turn that would not fit ends the conversation "

@@ -114,7 +114,8 @@ def export(state: dict[str, torch.Tensor], config, k: int, out: str | Path, fmt:
     out = Path(out)
     d2t = state["d2t"]
     if d2t.numel() > 1 and not bool(d2t.any()) and config.draft_vocab_size < config.vocab_size:
-        raise ValueError("refusing to export an all-zero d2t with a reduced draft vocab (the vocab map was never loaded)")
+        raise ValueError("refusing to export an all-zero d2t with a reduced draft vocab "
+                         "(the vocab map was never loaded)")
     cfg = vllm_config(config, k) if fmt == "vllm" else speculators_config(config, k, verifier)
     if extra:
         cfg["eagle3"] = extra
@@ -201,7 +202,8 @@ def load_draft(
     layer = dict(cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else dict(cfg)
     for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
         if key not in layer:
-            raise ValueError(f"{cpath}: missing {key!r}" + (" in transformer_layer_config" if fmt == "speculators" else ""))
+            raise ValueError(f"{cpath}: missing {key!r}"
+                             + (" in transformer_layer_config" if fmt == "speculators" else ""))
     V = int(layer.get("vocab_size") or tgt["vocab_size"])
     if V != tgt["vocab_size"]:
         raise ValueError(f"{cpath}: vocab_size {V} differs from the target's {tgt['vocab_size']} ({target_dir})")

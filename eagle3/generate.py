@@ -82,17 +82,18 @@ class HFGenerator:
         with packed_linears(self.model) if self.cpu_linear else contextlib.nullcontext():
             for idx in self.batches([len(prompts[i]) for i in order]):
                 idx = [order[k] for k in idx]
-                for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx])):
+                for i, g in zip(idx, self._batch([prompts[i] for i in idx], [seeds[i] for i in idx]), strict=True):
                     out[i] = g
         return out  # type: ignore[return-value]
 
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:
         """Consecutive runs of `lengths` (longest first) with <= batch_size rows and <= batch_tokens padded tokens."""
         res: list[list[int]] = []
-        for k, n in enumerate(lengths):
+        for k in range(len(lengths)):
             cur = res[-1] if res else None
             # the first row of a batch is its longest: padded size = rows x that length
-            if cur is None or len(cur) >= self.cfg.batch_size or (len(cur) + 1) * lengths[cur[0]] > self.cfg.batch_tokens:
+            if (cur is None or len(cur) >= self.cfg.batch_size
+                    or (len(cur) + 1) * lengths[cur[0]] > self.cfg.batch_tokens):
                 res.append([k])
             else:
                 cur.append(k)
@@ -147,7 +148,7 @@ class HFGenerator:
         while rows:
             nxt = self._pick(logits, [gens[i] for i in rows]).tolist()  # [b]
             keep = []
-            for r, (i, t) in enumerate(zip(rows, nxt)):
+            for r, (i, t) in enumerate(zip(rows, nxt, strict=True)):
                 out[i].append(t)
                 self.tokens += 1
                 if end[i] is None and (t in self.eos or len(out[i]) >= max_new):

@@ -131,7 +131,8 @@ class PreparedData(StageManifest):
 
     def _content(self) -> dict[str, Any]:
         c = super()._content()
-        c["config"] = {k: v for k, v in c["config"].items() if k not in ("data", "vocab_from")}  # paths; content is in inputs
+        # paths; content is in inputs
+        c["config"] = {k: v for k, v in c["config"].items() if k not in ("data", "vocab_from")}
         return c
 
     def shard_paths(self, root: str | Path, split: str) -> list[Path]:

@@ -21,8 +21,8 @@ Two ways to run it:
 """
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,7 +71,8 @@ class DraftConfig(BaseModel):
         description="vLLM-convention ids of the 3 aux states (id k = residual stream entering layer k)"
     )
     norm_before_fc: bool = Field(
-        False, description="RMSNorm (`input_norm`) over the 3H input of fc (speculators' default, off here by measurement)"
+        False, description="RMSNorm (`input_norm`) over the 3H input of fc (speculators' default, off here by "
+        "measurement)"
     )
     norm_output: bool = Field(
         True, description="pass the normed output (not the pre-norm one) to the next step"

@@ -102,7 +102,8 @@ def target_plan(cfg: PipelineConfig) -> TargetPlan:
         total, active = t.parameter_counts()
         return TargetPlan(hidden_size=H, num_hidden_layers=t.num_layers, vocab_size=t.vocab_rows,
                           intermediate_size=int(c["intermediate_size"]), num_attention_heads=heads,
-                          num_key_value_heads=kv, head_dim=MLA_DRAFT_HEAD_DIM if t.is_mla else int(c.get("head_dim") or H // heads),
+                          num_key_value_heads=kv,
+                          head_dim=MLA_DRAFT_HEAD_DIM if t.is_mla else int(c.get("head_dim") or H // heads),
                           num_parameters=total, active_parameters=active if active < total else None,
                           weight_bytes=4.0 if c.get("dtype", c.get("torch_dtype")) == "float32" else 2.0)
     if cfg.target is None:
@@ -157,9 +158,9 @@ def eval_turns(cfg: PipelineConfig) -> int:
 
 
 def draft_params(t: TargetPlan, draft_vocab: int) -> int:
-    H, I = t.hidden_size, t.intermediate_size
+    H, Hi = t.hidden_size, t.intermediate_size
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * I + draft_vocab * H + 3 * H + 3 * H
+    return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * Hi + draft_vocab * H + 3 * H + 3 * H
 
 
 def disk_free(path: Path) -> int:
@@ -209,7 +210,8 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     if total > free:
         pl.problems.append(
             f"disk: the remaining stages need about {human(total)} under {cfg.run_dir}, but only {human(free)} is "
-            f"free. Options: storage 'fp8' (~{bytes_per_token(3, t.hidden_size, 'fp8') / bytes_per_token(3, t.hidden_size, cfg.extract.storage):.0%} "
+            f"free. Options: storage 'fp8' (~"
+            f"{bytes_per_token(3, t.hidden_size, 'fp8') / bytes_per_token(3, t.hidden_size, cfg.extract.storage):.0%} "
             f"of '{cfg.extract.storage}') or 'fp8-aux', fewer samples (prepare.limit / max_len), or another run_dir"
         )
     # CPU training memory (GPU memory is the trainer's, checked by torch at start)
@@ -234,13 +236,15 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     else:
         ex_s = tokens / 650 * (active / 135e6)
     pd = P - vd * t.hidden_size - 3 * t.hidden_size * t.hidden_size  # one TTT step's layer weights
-    tr_flops = 6 * (pd + vd * t.hidden_size) * tc.ttt_steps * tokens * tc.epochs + 2 * t.vocab_size * t.hidden_size * tokens * tc.epochs
+    tr_flops = (6 * (pd + vd * t.hidden_size) * tc.ttt_steps * tokens * tc.epochs
+                + 2 * t.vocab_size * t.hidden_size * tokens * tc.epochs)
     # CPU: measured SmolLM2 rates (2 threads, k=3): ~700 tok/s in epoch 1, ~1,100 tok/s later
     # (the target's full-vocab argmax is cached per sample after the first epoch)
     cpu_s = (tokens / 700 + tokens * (tc.epochs - 1) / 1100) * (P / 10e6) * (tc.ttt_steps / 3)
     tr_s = tr_flops / (tc.nproc_per_node * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s
     pl.seconds = stage_seconds(cfg, t, tokens, ex_s, tr_s)
-    pl.rows += [{"stage": k, "what": "wall time (estimate)", "bytes": 0, "human": hms(v)} for k, v in pl.seconds.items()]
+    pl.rows += [{"stage": k, "what": "wall time (estimate)", "bytes": 0, "human": hms(v)}
+                for k, v in pl.seconds.items()]
     total = sum(pl.seconds.values())
     if max_hours and total > max_hours * 3600:
         big = ", ".join(f"{k} {hms(v)}" for k, v in sorted(pl.seconds.items(), key=lambda kv: -kv[1])[:2])
@@ -249,7 +253,8 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
             f"Options: raise max_hours in the run form (0: no limit), or fewer tokens (prepare.limit, "
             f"prepare.max_len) or fewer epochs (train.epochs, train.max_steps)")
     if cfg.extract.backend == "vllm":
-        per_gpu = t.num_parameters * t.weight_bytes / (cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size)
+        per_gpu = (t.num_parameters * t.weight_bytes
+                   / (cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size))
         budget = cfg.gpu_memory_gib * GIB * cfg.extract.gpu_memory_utilization
         pl.rows.append({"stage": "extract", "what": "GPU weights per device / budget", "bytes": per_gpu,
                         "human": f"{human(per_gpu)} / {human(budget)}"})

@@ -119,7 +119,7 @@ def check_aux_ids(aux: Sequence[int], n: int | None = None) -> list[int]:
     aux = [int(a) for a in aux]
     if len(aux) != 3:
         raise ValueError(f"aux layer ids must be exactly 3 ids (got {aux}); the final layer N is added automatically")
-    if any(b <= a for a, b in zip(aux, aux[1:])):
+    if any(b <= a for a, b in zip(aux, aux[1:], strict=False)):
         raise ValueError(
             f"aux layer ids {aux} must be strictly increasing: vLLM concatenates the aux states in layer "
             f"order whatever order a config lists, so {sorted(set(aux))} is what serving would feed `fc`"
@@ -302,7 +302,8 @@ class Target:
             try:
                 wmap = dict(json.loads(index.read_text())["weight_map"])
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
+                raise ValueError(f"{index}: not a safetensors index with a weight_map "
+                                 f"({type(e).__name__}: {e})") from None
             missing = sorted({f for f in wmap.values() if not (self.path / f).is_file()})
             if missing:
                 raise FileNotFoundError(f"{index} points at {len(missing)} missing file(s): {', '.join(missing[:3])}")
@@ -332,7 +333,8 @@ class Target:
                 return text, head
         tried = [f"{t}embed_tokens.weight" for t, _ in self._prefix_candidates()]
         files = sorted(set(wmap.values()))
-        raise ValueError(f"{self.path}: embedding not found for architecture {self.architecture}: tried {tried} in {files}")
+        raise ValueError(f"{self.path}: embedding not found for architecture {self.architecture}: "
+                         f"tried {tried} in {files}")
 
     def weight_names(self) -> dict[str, str | None]:
         """Source names of embed_tokens / norm / lm_head (lm_head None when tied). Errors name what was searched."""
@@ -351,7 +353,8 @@ class Target:
         elif tie is None:  # not said either way and no lm_head stored: the embedding is the head
             names["lm_head"] = None
         else:
-            raise ValueError(f"{self.path}: lm_head {head_name!r} not found in {files} (config says tie_word_embeddings=false)")
+            raise ValueError(f"{self.path}: lm_head {head_name!r} not found in {files} "
+                             "(config says tie_word_embeddings=false)")
         return names
 
     def read(self, name: str):
@@ -530,5 +533,6 @@ class Target:
             hf_logging.set_verbosity(level)
         missing = [k for k in info["missing_keys"] if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
         if missing:
-            raise ValueError(f"{self.path}: weights missing for {len(missing)} tensors of the text model: {missing[:4]}")
+            raise ValueError(f"{self.path}: weights missing for {len(missing)} tensors of the text model: "
+                             f"{missing[:4]}")
         return model.to(device).eval()

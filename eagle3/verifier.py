@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.manifests import PreparedData, TensorInfo, VerifierWeights
 from eagle3.atomic import atomic_path, sha256_file, sha256_file_cached
+from eagle3.manifests import PreparedData, TensorInfo, VerifierWeights
 from eagle3.target import INDEX, Target
 
 OUT_FILE = "verifier.safetensors"
@@ -93,7 +93,8 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
             f"norm {tuple(norm.shape)}"
         )
     if V != target.vocab_rows:
-        raise ValueError(f"{target.path}: the embedding has {V} rows but config.json says vocab_size {target.vocab_rows}")
+        raise ValueError(f"{target.path}: the embedding has {V} rows but config.json says vocab_size "
+                         f"{target.vocab_rows}")
     try:
         target_ids = check_vocab_map(d2t, t2d, V)
     except ValueError as e:

@@ -37,7 +37,8 @@ def _run(a) -> None:
     final = os.path.abspath(result["final"])
     ci = f" (95% CI {r.acceptance_length_ci[0]:.3f}-{r.acceptance_length_ci[1]:.3f})" if r.acceptance_length_ci else ""
     print(f"\ntau (acceptance length) = {r.acceptance_length:.3f}{ci} at k={r.k} on {r.num_prompts} prompts "
-          f"({cfg.eval.prompts}, {r.mode}); speedup {r.speedup_vs_target or 0:.2f}x over greedy; lossless: {r.lossless}")
+          f"({cfg.eval.prompts}, {r.mode}); speedup {r.speedup_vs_target or 0:.2f}x over greedy; "
+          f"lossless: {r.lossless}")
     print(f"draft: {final}")
     print(f"serve it: {serve_command(os.path.abspath(cfg.model), final, r.k)}")
 

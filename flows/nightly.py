@@ -10,10 +10,10 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
-from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
 from eagle3.atomic import atomic_write_json
 from eagle3.config import FORM, PipelineConfig
 from eagle3.data.readers import resolve_source, source_files
+from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
 from flows.pipeline import FORM_DEFAULT, run_stages
 
 
@@ -38,7 +38,7 @@ class NightlyConfig(BaseModel):
 
 
 @flow(name="eagle3-nightly", log_prints=True)
-def nightly(config: NightlyConfig = NightlyConfig()) -> dict:
+def nightly(config: NightlyConfig = NightlyConfig()) -> dict:  # noqa: B008  Prefect shows this default on the run form
     """Retrain on every conversation so far, warm-started from the promoted draft; promote it if tau holds."""
     check_source(config.conversations)  # before anything is written: a misconfigured night fails in one line
     root = Path(config.root)

@@ -10,9 +10,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from pydantic import Field
 
-from eagle3.manifests import EvalReport
 from eagle3.config import PipelineConfig
 from eagle3.lock import RunLock
+from eagle3.manifests import EvalReport
 from flows.stages import run_stage
 from tasks.evaluate import results_table
 from tasks.extract import stats_table
@@ -63,7 +63,8 @@ def run_stages(config: PipelineConfig, reuse: list[str] | None = None,
 
 
 def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -> tuple[dict[str, str], EvalReport]:
-    model, dirs = str(config.model), {s: str(config.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train", "eval")}
+    model, dirs = str(config.model), {s: str(config.stage_dir(s))
+                                      for s in ("prepare", "extract", "verifier", "train", "eval")}
     trc = config.trust_remote_code  # the target's custom tokenizer code (Kimi) may run
     get_run_logger().info("run dir %s", config.run_dir)
     preflight(config, max_hours)
@@ -109,8 +110,10 @@ def summarize(config, dirs, prepared, hidden, verifier, trained, report) -> None
         for s, m in (("prepare", prepared), ("extract", hidden), ("verifier", verifier), ("train", trained),
                      ("eval", report))
     ]
-    rows += [{"stage": "draft", "dir": f"{dirs['train']}/{trained.final_dir}", "fingerprint": trained.weights_sha256[:16]},
-             {"stage": "report", "dir": f"{dirs['eval']}/{report.report_file}", "fingerprint": report.fingerprint[:16]}]
+    rows += [{"stage": "draft", "dir": f"{dirs['train']}/{trained.final_dir}",
+              "fingerprint": trained.weights_sha256[:16]},
+             {"stage": "report", "dir": f"{dirs['eval']}/{report.report_file}",
+              "fingerprint": report.fingerprint[:16]}]
     create_table_artifact(rows, key="eagle3-run-stages", description=f"eagle3 run {config.run_dir}: stage dirs")
     md = ["# eagle3 run", "", f"Run dir: `{config.run_dir}`", "",
           f"**tau = {report.acceptance_length:.3f}** at k={report.k} on {report.num_prompts} prompts; "

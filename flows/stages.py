@@ -28,9 +28,9 @@ import tasks.extract as extract_stage
 import tasks.prepare as prepare_stage
 import tasks.train as train_stage
 import tasks.verifier as verifier_stage
-from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, TrainConfig
 from eagle3.heap import PeakRSS
+from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 from eagle3.preflight import hms
 from tasks.train import UserInputError
 

@@ -7,10 +7,10 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from eagle3.manifests import HiddenStates
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
 from eagle3.extract.run import inputs
+from eagle3.manifests import HiddenStates
 from tasks._cache import stage_task
 from tasks._faults import fail_once
 from tasks._gpus import hold_gpus
@@ -46,7 +46,8 @@ def headline(m: HiddenStates) -> str:
 
 def publish(m: HiddenStates, out: str) -> None:
     """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
-    create_table_artifact(stats_table(m), key="extract-stats", description="eagle3 extract: tokens, tok/s, bytes, shards")
+    create_table_artifact(stats_table(m), key="extract-stats",
+                          description="eagle3 extract: tokens, tok/s, bytes, shards")
 
 
 @stage_task("extract", _key, retries=2, delay=10)

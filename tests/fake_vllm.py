@@ -143,7 +143,8 @@ class LLM:
         ours = (kv is not None and kv.kv_connector == "Eagle3HiddenStatesConnector"
                 and kv.kv_connector_module_path == "eagle3.extract.vllm_connector")
         if kv is None or not (ours or kv.kv_connector == "ExampleHiddenStatesConnector"):
-            raise ValueError("extract_hidden_states needs the ExampleHiddenStatesConnector (or a subclass) in this fake")
+            raise ValueError("extract_hidden_states needs the ExampleHiddenStatesConnector (or a subclass) "
+                             "in this fake")
         if kwargs.get("enable_chunked_prefill", True) is not False:
             raise ValueError("Chunked prefill is not compatible with extract_hidden_states")
         self.layer_ids = list(ids)
@@ -215,7 +216,8 @@ class LLM:
             outs.append(RequestOutput(req_id, None, ids, [CompletionOutput(0, [nxt])], True,
                                       {"hidden_states_path": path}))
         if self.swap_paths and len(outs) > 1:
-            outs[0].kv_transfer_params, outs[1].kv_transfer_params = outs[1].kv_transfer_params, outs[0].kv_transfer_params
+            outs[0].kv_transfer_params, outs[1].kv_transfer_params = (outs[1].kv_transfer_params,
+                                                                      outs[0].kv_transfer_params)
         random.Random(len(outs)).shuffle(outs)
         return outs
 

@@ -92,17 +92,20 @@ QWEN3_TEMPLATE = (
 
 KIMI_TEMPLATE = (
     "{%- macro tag(role) -%}"
-    "{%- if role == 'user' -%}<|im_user|>{%- elif role == 'assistant' -%}<|im_assistant|>{%- else -%}<|im_system|>{%- endif -%}"
+    "{%- if role == 'user' -%}<|im_user|>{%- elif role == 'assistant' -%}<|im_assistant|>"
+    "{%- else -%}<|im_system|>{%- endif -%}"
     "{%- endmacro -%}"
     "{%- if not messages or messages[0]['role'] != 'system' -%}"
     "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
     "{%- endif -%}"
     "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
     "{%- for m in messages -%}"
     "{{- tag(m['role']) }}{{- m['name'] if m['name'] is defined else m['role'] }}<|im_middle|>"
     "{%- if m['role'] == 'assistant' -%}"
-    "{%- if loop.index0 > ns.last_user and m['reasoning_content'] is defined -%}<think>{{ m['reasoning_content'] }}</think>"
+    "{%- if loop.index0 > ns.last_user and m['reasoning_content'] is defined -%}"
+    "<think>{{ m['reasoning_content'] }}</think>"
     "{%- else -%}<think></think>{%- endif -%}"
     "{%- endif -%}"
     "{{- m['content'] }}<|im_end|>"
@@ -197,8 +200,8 @@ def write_shards(out: Path, tensors: dict[str, torch.Tensor], n: int) -> None:
         save_file(part, str(out / fname), metadata={"format": "pt"})
         wmap.update({name: fname for name in part})
         total += sum(t.numel() * 2 for t in part.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": wmap},
-                                                                 indent=1))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}, indent=1))
 
 
 def checkpoint_tensors(model, tmp: Path) -> dict[str, torch.Tensor]:
@@ -250,7 +253,8 @@ def build_llama31(out: Path, texts: list[str]) -> None:
     write_shards(out, checkpoint_tensors(model, out / ".tmp"), 2)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": n, "do_sample": True, "eos_token_id": [n + 1, n + 8, n + 9], "temperature": 0.6, "top_p": 0.9}))
+        {"bos_token_id": n, "do_sample": True, "eos_token_id": [n + 1, n + 8, n + 9], "temperature": 0.6,
+         "top_p": 0.9}))
 
 
 def build_qwen3(out: Path, texts: list[str]) -> None:
@@ -363,8 +367,14 @@ def build(family: str, out: str | Path, texts: list[str] | None = None) -> Path:
 def reference_lm(model_dir: str | Path):
     """The family's causal LM loaded with transformers alone, independently of eagle3.target: the text
     config mapped by hand to transformers' class, the wrapper's prefix mapped by a regex. fp32, eval mode."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config
-    from transformers import Qwen3ForCausalLM
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     text = cfg.get("text_config", cfg)

@@ -201,7 +201,8 @@ def _rerun_and_compare(d: Drill, cmd: list[str], x: Inputs, out: Path) -> Drill:
     else:
         same_loss, same_w = losses(out) == losses(x.train), weights(out) == weights(x.train)
         d.equal = same_loss and same_w
-        d.detail = "" if d.equal else f"vs the uninterrupted run: loss trajectory equal={same_loss}, weights equal={same_w}"
+        d.detail = ("" if d.equal
+                    else f"vs the uninterrupted run: loss trajectory equal={same_loss}, weights equal={same_w}")
     return d
 
 
@@ -301,8 +302,8 @@ def enospc_train(x: Inputs, work: Path, room: float = 3.5) -> EnospcTrainResult:
     disk.mkdir(parents=True)
     res.mkdir()
     pages = int(room * (one + 3 * 4096)) + 8 * 4096  # tmpfs counts whole pages per file
-    env = {**os.environ, "SMALL": str(pages // 4096 * 4096), "BIG": str(8 * one + (32 << 20)), "DISK": str(disk), "RES": str(res),
-           "PY": sys.executable}
+    env = {**os.environ, "SMALL": str(pages // 4096 * 4096), "BIG": str(8 * one + (32 << 20)), "DISK": str(disk),
+           "RES": str(res), "PY": sys.executable}
     env = {k: v for k, v in env.items() if not k.startswith("EAGLE3_KILL")}
     r = subprocess.run(["unshare", "-rm", "sh", "-c", ENOSPC_TRAIN_SCRIPT, "sh", *train_cmd(x, disk / "out")],
                        cwd=CODE[0], env=env, capture_output=True, text=True, timeout=900)

@@ -15,7 +15,6 @@ from eagle3.attention import (
     ttt_attention,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -56,7 +55,8 @@ def _check(B, Hq, Hkv, L, D, j, doc, block):
     dout = torch.randn_like(out)
     g_out = torch.autograd.grad(out, leaves, dout)
     g_ref = torch.autograd.grad(ref, leaves, dout)
-    for name, a, b in zip(["q", "k0", "v0"] + [f"kd{i}" for i in range(j)] + [f"vd{i}" for i in range(j)], g_out, g_ref):
+    for name, a, b in zip(["q", "k0", "v0"] + [f"kd{i}" for i in range(j)] + [f"vd{i}" for i in range(j)], g_out, g_ref,
+                          strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
@@ -87,7 +87,8 @@ def test_packed_equals_separate_documents():
     a = 0
     for n in lens:
         sl = slice(a, a + n)
-        alone = ttt_attention(q[:, :, sl], k0[:, :, sl], v0[:, :, sl], [x[:, :, sl] for x in kd], [x[:, :, sl] for x in vd])
+        alone = ttt_attention(q[:, :, sl], k0[:, :, sl], v0[:, :, sl], [x[:, :, sl] for x in kd],
+                              [x[:, :, sl] for x in vd])
         torch.testing.assert_close(packed[:, :, sl], alone, atol=1e-6, rtol=0)
         a += n
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+
 from bad_inputs import CASES, build_base, run_case
 
 

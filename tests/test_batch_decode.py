@@ -50,8 +50,9 @@ def test_buffered_grouped_decoding_equals_stock(tiny_llama_dir):
         got = _decode(model, cache, 12, drop_at=4)
     assert model.config._attn_implementation == "sdpa"  # restored
     assert all(isinstance(layer, BufferLayer) for layer in cache.layers)
-    assert cache.get_seq_length() == 9 + 12 and cache.layers[0].kbuf.shape[2] >= 21 and cache.layers[0].kbuf.shape[0] == 2
-    for a, b in zip(ref, got):
+    assert (cache.get_seq_length() == 9 + 12 and cache.layers[0].kbuf.shape[2] >= 21
+            and cache.layers[0].kbuf.shape[0] == 2)
+    for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert [int(x) for a in ref for x in a.argmax(-1)] == [int(x) for b in got for x in b.argmax(-1)]
 

@@ -23,13 +23,26 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
-import prefect_service as ps
 import pytest
-from prefect_service import (BIN, STAGES, chat, checksums, events, gpu_intervals, logs, overlaps, submit, tiny_inputs,
-                             trigger, wait)
 
 from eagle3.atomic import sha256_file
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
+
+import prefect_service as ps
+from prefect_service import (
+    BIN,
+    STAGES,
+    chat,
+    checksums,
+    events,
+    gpu_intervals,
+    logs,
+    overlaps,
+    submit,
+    tiny_inputs,
+    trigger,
+    wait,
+)
 
 
 @pytest.fixture(scope="module")
@@ -320,8 +333,8 @@ def load_drill(service, client, cfg: PipelineConfig, night_params: dict, night_d
 
 def test_nightly_sources_reuse_and_promoted_draft(tmp_path):
     """The nightly flow's plumbing, without a server: glob sources, which dirs it reuses, which draft is promoted."""
-    from eagle3.manifests import EvalReport, HiddenStates, TrainedDraft
     from eagle3.atomic import atomic_write_json
+    from eagle3.manifests import EvalReport, HiddenStates, TrainedDraft
     from flows.nightly import NightlyConfig, collect, earlier_extracts, promoted
 
     inbox = tmp_path / "inbox"

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3.eval.prompts import Conversation, load_prompts, read_jsonl_prompts
 from eagle3.eval.decode import DraftProposer, Stats, TargetLM, measure, run_conversation, speculative_generate
+from eagle3.eval.prompts import Conversation, load_prompts, read_jsonl_prompts
 from eagle3.formats import load_draft
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.target import prompt_ids
@@ -203,7 +203,8 @@ def test_packed_cpu_kernels_decode_as_stock(target, tiny_llama_dir, convs, eos):
     packed = measure(model, tok, DraftProposer(d), d.config.aux_layer_ids, convs, K, MAX_NEW, eos)
     assert stock["cpu_linear"] == {} and set(packed["cpu_linear"]) == {*map(str, range(1, K + 2)), f"{K + 2}+"}
     assert packed["lossless"] is True
-    assert [t["text"] for it in packed["items"] for t in it["turns"]] == [t["text"] for it in stock["items"] for t in it["turns"]]
+    assert ([t["text"] for it in packed["items"] for t in it["turns"]]
+            == [t["text"] for it in stock["items"] for t in it["turns"]])
     for key in ("acceptance_length", "num_drafts", "num_accepted_tokens_per_pos"):
         assert packed[key] == stock[key]
     from eagle3.cpu_linear import PackedLinear
@@ -272,7 +273,8 @@ def test_load_speculators_dir(target, tiny_llama_dir, tmp_path):
     d = random_draft(tiny_llama_dir, seed=3, norm_before_fc=True, norm_output=True, norm_before_residual=False)
     d.embed_tokens.weight.data.copy_(emb)
     for embed in (False, True):
-        got, fmt = load_draft(write_speculators(d, tmp_path / f"spec{embed}", tiny_llama_dir, embed), tiny_llama_dir, emb)
+        got, fmt = load_draft(write_speculators(d, tmp_path / f"spec{embed}", tiny_llama_dir, embed), tiny_llama_dir,
+                              emb)
         assert fmt == "speculators" and got.config == d.config
         _same(got, d)
     # and it proposes what the original proposes
@@ -325,9 +327,10 @@ def test_jsonl_prompts_and_errors(tmp_path):
 
 
 def test_prepared_val_split_prompts(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
     from eagle3.config import PrepareConfig
     from eagle3.data.prepare import prepare
-    from transformers import AutoTokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(
@@ -346,8 +349,8 @@ def test_prepared_val_split_prompts(tiny_llama_dir, tmp_path):
 
 # ---------------------------------------------------------------- CLI, report, manifest
 def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
-    from eagle3.manifests import EvalReport
     from eagle3.cli import main
+    from eagle3.manifests import EvalReport
 
     model, _ = target
     d = random_draft(tiny_llama_dir, seed=4)

@@ -11,9 +11,10 @@ from eagle3.config import EvalConfig
 def test_eval_task_writes_report_and_artifacts_and_caches(tiny_llama_dir, tmp_path, prefect_env):
     from prefect import flow
     from prefect.client.orchestration import get_client
-    from test_evaluate import random_draft, write_native
 
     from tasks.evaluate import eval_task, publish
+
+    from test_evaluate import random_draft, write_native
 
     draft = write_native(random_draft(tiny_llama_dir, seed=7), tmp_path / "final")
     p = tmp_path / "p.jsonl"
@@ -40,5 +41,6 @@ def test_eval_task_writes_report_and_artifacts_and_caches(tiny_llama_dir, tmp_pa
         arts = {a.key: a for a in c.read_artifacts() if a.key in ("eval-results", "eval-report")}
     assert set(arts) == {"eval-results", "eval-report"}
     assert "data:image/png;base64," in arts["eval-report"].data
-    rows = json.loads(arts["eval-results"].data) if isinstance(arts["eval-results"].data, str) else arts["eval-results"].data
+    rows = (json.loads(arts["eval-results"].data) if isinstance(arts["eval-results"].data, str)
+            else arts["eval-results"].data)
     assert {"what": "lossless", "value": True} in rows

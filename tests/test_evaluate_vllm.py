@@ -1,4 +1,5 @@
-"""Eval, vLLM path: metric parsing on recorded `get_metrics()` records, the report on a fake LLM, the real thing where present."""
+"""Eval, vLLM path: metric parsing on recorded `get_metrics()` records, the report on a fake LLM, the real thing
+where present."""
 from __future__ import annotations
 
 import json
@@ -132,10 +133,10 @@ def fake_vllm(tiny_llama_dir):
 
 
 def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypatch):
-    from test_evaluate import random_draft, write_native
-
-    from eagle3.manifests import EvalReport
     from eagle3.eval.run import evaluate
+    from eagle3.manifests import EvalReport
+
+    from test_evaluate import random_draft, write_native
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # latency-bound tiny model on a shared box (see test_evaluate.one_thread)
@@ -144,12 +145,14 @@ def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypa
         draft = write_native(random_draft(tiny_llama_dir, seed=5), tmp_path / "final")
         p = tmp_path / "p.jsonl"
         p.write_text(json.dumps({"prompt": "Hi!"}) + "\n" + json.dumps({"turns": ["One.", "Two."]}) + "\n")
-        v = evaluate(tiny_llama_dir, draft, tmp_path / "v", EvalConfig(prompts=str(p), k=2, max_new_tokens=10, backend="vllm"))
+        v = evaluate(tiny_llama_dir, draft, tmp_path / "v",
+                     EvalConfig(prompts=str(p), k=2, max_new_tokens=10, backend="vllm"))
         h = evaluate(tiny_llama_dir, draft, tmp_path / "h", EvalConfig(prompts=str(p), k=2, max_new_tokens=10))
     finally:
         torch.set_num_threads(n)
     assert v.backend == "vllm" and h.backend == "hf" and v.lossless and h.lossless
-    assert (v.num_drafts, v.num_accepted_tokens, v.generated_tokens) == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens)
+    assert ((v.num_drafts, v.num_accepted_tokens, v.generated_tokens)
+            == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens))
     assert v.acceptance_length == h.acceptance_length and v.per_position_acceptance == h.per_position_acceptance
     assert v.num_turns == 3 and EvalReport.read(tmp_path / "v").fingerprint == v.fingerprint
     r = json.loads((tmp_path / "v" / "report.json").read_text())
@@ -161,10 +164,10 @@ def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypa
 def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     """The real engine (fp32 on CPU) serves a random head as is, and its own spec-decode counters give the same
     drafts, accepted tokens, per-position counts and answers as the hf evaluator on the same head and prompts."""
+    from eagle3.eval.run import evaluate
+
     from engine import ENGINE, engine_processes
     from test_evaluate import random_draft, write_native
-
-    from eagle3.eval.run import evaluate
 
     model = smollm2_dir if fam == "smollm2" else family_dirs[fam]
     d = random_draft(model, draft_vocab=256, seed=2)
@@ -183,14 +186,16 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
         assert (f.num_drafts, f.num_accepted_tokens, f.per_position_acceptance) == \
             (v.num_drafts, v.num_accepted_tokens, v.per_position_acceptance)
     assert v.backend == "vllm" and v.lossless and h.lossless and v.num_turns == h.num_turns == 3
-    assert (v.num_drafts, v.num_accepted_tokens, v.generated_tokens) == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens)
+    assert ((v.num_drafts, v.num_accepted_tokens, v.generated_tokens)
+            == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens))
     assert v.per_position_acceptance == h.per_position_acceptance and v.acceptance_length == h.acceptance_length
     assert v.num_drafts > 0 and 1.0 <= v.acceptance_length <= 4.0
     print(f"\n{fam}: {v.num_drafts} drafts, {v.num_accepted_tokens} accepted, per position {v.per_position_acceptance}")
     # the same answers, turn by turn (the engine's speculative output and the hf greedy one)
     from eagle3.eval.report import SAMPLES
 
-    answers = [[t["text"] for line in (tmp_path / x / SAMPLES).read_text().splitlines() for t in json.loads(line)["turns"]]
+    answers = [[t["text"] for line in (tmp_path / x / SAMPLES).read_text().splitlines()
+                for t in json.loads(line)["turns"]]
                for x in ("v", "h")]
     assert answers[0] == answers[1]
 
@@ -198,9 +203,9 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
 @pytest.mark.parametrize("fam", ["kimi-k2.5"])  # the real engine runs Qwen3 and Llama-3.1 (above); not this layout
 def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, monkeypatch):
     """On the fake engine, the vLLM eval path on the Kimi-K2.5 layout (wrapper, custom tokenizer) equals the hf path."""
-    from test_evaluate import random_draft, write_native
-
     from eagle3.eval.run import evaluate
+
+    from test_evaluate import random_draft, write_native
 
     model, trust = family_dirs[fam], fam == "kimi-k2.5"
     n = torch.get_num_threads()
@@ -216,4 +221,5 @@ def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, m
     finally:
         torch.set_num_threads(n)
     assert v.lossless and h.lossless and v.num_turns == 2
-    assert (v.num_drafts, v.num_accepted_tokens, v.generated_tokens) == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens)
+    assert ((v.num_drafts, v.num_accepted_tokens, v.generated_tokens)
+            == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens))

@@ -5,19 +5,18 @@ import json
 
 import pytest
 import torch
-from extract_helpers import chat_samples, random_samples, write_prepared
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3.manifests import HiddenStates
 from eagle3.atomic import sha256_file
+from eagle3.capture import batches_by_length
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
-from eagle3.store import open_store
-from eagle3.capture import batches_by_length
 from eagle3.extract.hf import HFBackend
-from eagle3.target import Target
-from eagle3.target import check_aux_ids, default_aux_ids
-from eagle3.store import FP8_MAX, bytes_per_token, dequantize_fp8, quantize_fp8, shard_meta
+from eagle3.manifests import HiddenStates
+from eagle3.store import FP8_MAX, bytes_per_token, dequantize_fp8, open_store, quantize_fp8, shard_meta
+from eagle3.target import Target, check_aux_ids, default_aux_ids
+
+from extract_helpers import chat_samples, random_samples, write_prepared
 
 
 def _reference(lm, ids: list[int]):
@@ -82,7 +81,7 @@ def test_tiny_llama_parity_fp32(tiny_llama_dir, tmp_path):
     lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     store = open_store(tmp_path / "out")
     assert len(store) == 6 and len(open_store(tmp_path / "out", "val")) == 2
-    for (ids, mask), s in zip(rows, store):
+    for (ids, mask), s in zip(rows, store, strict=True):
         hs, logits = _reference(lm, ids)
         assert s["input_ids"].tolist() == ids and s["loss_mask"].tolist() == mask
         assert s["aux_hidden_states"].shape == (len(ids), 3, 64) and s["final_hidden_states"].shape == (len(ids), 64)
@@ -112,7 +111,8 @@ def test_smollm2_parity_and_storage(smollm2_dir, tmp_path):
     rows = chat_samples(tok, 8, repeat=2)  # ~8 x 90 real chat tokens
     prep = tmp_path / "prep"
     write_prepared(prep, {"train": rows})
-    backend = HFBackend(Target.open(smollm2_dir).load_model(head=False, device="cpu"), [2, 15, 27, 30], batch_tokens=4096)
+    backend = HFBackend(Target.open(smollm2_dir).load_model(head=False, device="cpu"), [2, 15, 27, 30],
+                        batch_tokens=4096)
     lm = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     refs = [_reference(lm, ids) for ids, _ in rows]
     agree = {}
@@ -121,7 +121,7 @@ def test_smollm2_parity_and_storage(smollm2_dir, tmp_path):
         man = run_extract(smollm2_dir, prep, out, ExtractConfig(storage=storage), backend=backend, show_progress=False)
         assert man.aux_layer_ids == [2, 15, 27]
         hit = total = 0
-        for (hs, logits), s in zip(refs, open_store(out)):
+        for (hs, logits), s in zip(refs, open_store(out), strict=True):
             if storage == "fp32":
                 # extraction's linears run on oneDNN-prepacked weights, the reference on stock F.linear:
                 # rounding differences build up over 27 layers to ~2e-4 here (bf16 storage rounds at ~4e-3)

@@ -8,13 +8,14 @@ import sys
 import time
 
 import pytest
-from extract_helpers import chat_samples, write_prepared
 from transformers import AutoTokenizer
 
-from eagle3.manifests import HiddenStates
 from eagle3.atomic import sha256_file
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
+from eagle3.manifests import HiddenStates
+
+from extract_helpers import chat_samples, write_prepared
 
 
 @pytest.mark.slow
@@ -55,6 +56,6 @@ def test_sigkill_then_rerun_equals_uninterrupted(smollm2_dir, tmp_path):
     assert man.stats["shards_written"] == 16 - man.stats["shards_skipped"]
     assert not list(shards.glob(".*.tmp"))
     assert [s.file for s in man.shards] == [s.file for s in ref.shards]
-    for a, b in zip(ref.shards, man.shards):
+    for a, b in zip(ref.shards, man.shards, strict=True):
         assert a.sha256 == b.sha256 == sha256_file(out / b.file), b.file
     assert man.fingerprint == ref.fingerprint

@@ -1,11 +1,11 @@
 """Stage 2 as a Prefect task: a retry resumes committed shards; the cache key is content, not paths."""
 from __future__ import annotations
 
-from extract_helpers import random_samples, write_prepared
-
-from eagle3.manifests import HiddenStates
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
+from eagle3.manifests import HiddenStates
+
+from extract_helpers import random_samples, write_prepared
 
 
 class _FlakyOnce:

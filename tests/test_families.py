@@ -23,12 +23,14 @@ from safetensors.torch import load_file
 
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
 from eagle3.target import Target
+
 from families import FAMILIES, reference_lm
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 CONV = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
-        {"role": "user", "content": "Tell me a joke"}, {"role": "assistant", "content": "Why did the chicken cross the road?"}]
+        {"role": "user", "content": "Tell me a joke"},
+        {"role": "assistant", "content": "Why did the chicken cross the road?"}]
 # family -> (end-of-turn token, template text before each answer that must stay untrained)
 EOT = {"llama-3.1": ("<|eot_id|>", ["<|start_header_id|>assistant<|end_header_id|>\n\n"] * 2),
        "qwen3": ("<|im_end|>", ["<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"]),
@@ -100,7 +102,7 @@ def test_golden_masks(family_dirs, fam):
     cuts = np.nonzero(np.diff(np.r_[0, mask, 0]))[0].reshape(-1, 2)  # [start, end) of each trainable run
     answers = [CONV[1]["content"], CONV[3]["content"]]
     assert len(cuts) == 2
-    for (a, b), ans, pre in zip(cuts, answers, before):
+    for (a, b), ans, pre in zip(cuts, answers, before, strict=True):
         assert ids[a:b].tolist() == t.encode([ans])[0] + [eot]
         assert tok.decode(ids[a:b].tolist(), skip_special_tokens=False) == ans + eot_str
         head = tok.decode(ids[:a].tolist(), skip_special_tokens=False)
@@ -144,12 +146,12 @@ def run_flow(cfg: PipelineConfig) -> dict:
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_family_end_to_end(family_dirs, fam, tmp_path, request):
-    from eagle3.manifests import EvalReport, HiddenStates, PreparedData
-    from eagle3.formats import load_draft
     from eagle3.eval.decode import measure
+    from eagle3.formats import WEIGHTS, load_draft
+    from eagle3.manifests import EvalReport, HiddenStates, PreparedData
     from eagle3.store import open_store
-    from eagle3.formats import WEIGHTS
     from eagle3.verifier import OUT_FILE
+
     from test_evaluate import Oracle
 
     model = family_dirs[fam]

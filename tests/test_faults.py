@@ -8,8 +8,11 @@ import json
 import random
 import shutil
 
-import fault_drills
 import pytest
+
+import eagle3.faults  # noqa: F401  parsed now, before any test sets EAGLE3_KILL_AT: this process never dies
+
+import fault_drills
 from fault_drills import (
     build_inputs,
     cli,
@@ -26,8 +29,6 @@ from fault_drills import (
     train_cmd,
     weights,
 )
-
-import eagle3.faults  # noqa: F401  parsed now, before any test sets EAGLE3_KILL_AT: this process never dies
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,8 @@ def test_checkpoint_save_on_a_full_disk_keeps_the_previous_one_then_resumes(inpu
     r = enospc_train(inputs, tmp_path)
     assert r.first_rc == 2, r.message
     assert "Traceback" not in r.message and len(r.message.splitlines()) == 1, r.message
-    assert "no space left on device writing" in r.message and "/checkpoints/step-" in r.message and "MiB free" in r.message
+    assert ("no space left on device writing" in r.message and "/checkpoints/step-" in r.message
+            and "MiB free" in r.message)
     assert r.leftovers == []  # the half-written checkpoint dir was removed
     assert r.checkpoints and r.intact  # the previous checkpoints are whole and match their checksums
     assert r.second_rc == 0 and f"resumed from {r.checkpoints[-1]}" in r.resumed_from
@@ -138,7 +140,8 @@ def test_standalone_extract_refuses_up_front_when_the_disk_cannot_hold_it(inputs
     the model, in one line with the numbers and the options, having written no shard."""
     r = extract_disk_preflight(inputs, tmp_path)
     assert r["exit"] == 2 and len(r["message"].splitlines()) == 1 and "Traceback" not in r["message"], r
-    assert f"{r['out']}: not enough disk to extract: " in r["message"] and "bytes/token (bf16) need about" in r["message"]
+    assert (f"{r['out']}: not enough disk to extract: " in r["message"]
+            and "bytes/token (bf16) need about" in r["message"])
     assert "--storage fp8" in r["message"] and r["files_written"] == []  # no shard, not even a temp file
 
 

@@ -22,7 +22,8 @@ def task_states(flow_state) -> dict[str, str]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as c:
-        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])))
+        runs = c.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])))
     return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
 
 

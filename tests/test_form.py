@@ -34,8 +34,8 @@ def schemas():
 
 def test_every_model_is_in_the_form(schemas):
     # Prefect silently drops a parameter whose schema fails to build: the form would be one raw JSON field.
-    assert set(schemas["pipeline"]["definitions"]) == {"PipelineConfig", "PrepareConfig", "ExtractConfig", "TrainConfig",
-                                                       "EvalConfig", "TargetPlan", "RegenConfig"}
+    assert set(schemas["pipeline"]["definitions"]) == {"PipelineConfig", "PrepareConfig", "ExtractConfig",
+                                                       "TrainConfig", "EvalConfig", "TargetPlan", "RegenConfig"}
     assert "NightlyConfig" in schemas["nightly"]["definitions"]
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # Stage packages/modules: each may import the shared modules below it (eagle3.data's readers and
 # template among them), never another stage.
-STAGES = {"eagle3.data.prepare", "eagle3.extract", "eagle3.verifier", "eagle3.train", "eagle3.eval", "eagle3.regenerate"}
+STAGES = {"eagle3.data.prepare", "eagle3.extract", "eagle3.verifier", "eagle3.train", "eagle3.eval",
+          "eagle3.regenerate"}
 
 
 def module_name(path: Path) -> str:

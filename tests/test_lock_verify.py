@@ -14,7 +14,8 @@ import pytest
 from eagle3.lock import LockedError, RunLock
 
 REPO = Path(__file__).resolve().parents[1]
-HOLD = "import sys, time; from eagle3.lock import RunLock\nwith RunLock(sys.argv[1]):\n print('held', flush=True); time.sleep(600)"
+HOLD = ("import sys, time; from eagle3.lock import RunLock\n"
+        "with RunLock(sys.argv[1]):\n print('held', flush=True); time.sleep(600)")
 
 
 def hold(d: Path) -> subprocess.Popen:
@@ -136,9 +137,9 @@ def test_sha256_stamp_follows_every_change_of_the_file(tmp_path, monkeypatch):
 
 def test_verify_reads_only_what_changed_unless_deep(tmp_path, smollm2_dir, monkeypatch):
     import eagle3.atomic as a
+    from eagle3.checksums import verify_tree
     from eagle3.config import PrepareConfig
     from eagle3.data.prepare import prepare
-    from eagle3.checksums import verify_tree
 
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
     run = tmp_path / "run"

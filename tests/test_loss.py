@@ -110,8 +110,8 @@ def test_target_head_matches_manual_norm_and_lm_head():
 def test_draft_learns_a_fixed_target_end_to_end():
     # model + blockwise attention + loss in one graph: a few Adam steps on one packed batch must
     # cut the loss and lift top-1 agreement (a broken gradient anywhere stalls this)
-    from eagle3.model import DraftConfig, Eagle3Draft
     from eagle3.attention import doc_ids_from_position_ids
+    from eagle3.model import DraftConfig, Eagle3Draft
 
     torch.manual_seed(0)
     c = DraftConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -164,9 +164,9 @@ def test_fused_loss_equals_autograd_reference(chunk, loss):
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out.alpha_sum, ref.alpha_sum, atol=1e-5, rtol=1e-6)
     assert out.kl_count == ref.kl_count and out.count == ref.count and out.correct == ref.correct
-    assert all(torch.equal(a, b) for a, b in zip(out.hits, ref.hits))
+    assert all(torch.equal(a, b) for a, b in zip(out.hits, ref.hits, strict=True))
     torch.testing.assert_close(out.kl_sum, ref.kl_sum, atol=1e-5, rtol=1e-6)
-    for g, r in zip([s.grad for s in states] + [w.grad], g_ref):
+    for g, r in zip([s.grad for s in states] + [w.grad], g_ref, strict=True):
         torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
     # hits matter for simulated acceptance: both branches occur
     assert 0 < sum(out.correct) < sum(out.count)
@@ -178,7 +178,6 @@ def test_lk_loss_hand_computed():
     p = torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]).log()[None]  # [1, 3, 3]
     q = torch.tensor([[0.25, 0.5, 0.25], [0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]).log()[None].requires_grad_()
     top = torch.tensor([[0, 1, 0]])
-    mask = torch.tensor([[1, 1, 1]])
     # step 0 at t scores target s = t + 1 and needs token t + 2: t = 0 only (s = 1); shift so both rows count
     tl = torch.cat([p[:, :1], p], 1)  # s = 1 -> p row 0, s = 2 -> p row 1
     ql = torch.cat([q, q[:, :1]], 1)  # t = 0 -> q row 0, t = 1 -> q row 1

@@ -153,7 +153,8 @@ def test_ttt_equals_serving_steps(switches):
         ttt = m.ttt_forward(ids, aux, pos, steps=k, block=5)
         for t in (0, 5, 11):
             for j, lg in enumerate(_serving_chain(m, ids, aux, pos, t, k)):
-                torch.testing.assert_close(ttt[j][:, t], lg, atol=1e-5, rtol=0, msg=lambda s: f"t={t} j={j}: {s}")
+                torch.testing.assert_close(ttt[j][:, t], lg, atol=1e-5, rtol=0,
+                                           msg=lambda s, t=t, j=j: f"t={t} j={j}: {s}")
 
 
 def test_packed_ttt_equals_each_document_alone():
@@ -224,5 +225,5 @@ def test_memory_lean_norm_and_mlp_equal_plain_autograd(dtype):
     out = _SiluMul.apply(gate, up)
     ref = torch.nn.functional.silu(gate) * up
     assert torch.equal(out, ref)
-    for a, b in zip(torch.autograd.grad(out, (gate, up), g), torch.autograd.grad(ref, (gate, up), g)):
+    for a, b in zip(torch.autograd.grad(out, (gate, up), g), torch.autograd.grad(ref, (gate, up), g), strict=True):
         torch.testing.assert_close(a, b, **tol)

@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle3.manifests import PreparedData
 from eagle3.config import PrepareConfig
 from eagle3.data.prepare import prepare
 from eagle3.data.shards import read_split
-from eagle3.target import Target
 from eagle3.data.vocab import load_maps
+from eagle3.manifests import PreparedData
+from eagle3.target import Target
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def write_mixed(path: Path) -> dict[str, int]:
         ("bad_schema", json.dumps({"prompt": "x", "completion": "y"})),
     ]
     raw = [ln.encode() for ln in lines]
-    for j, (reason, text) in enumerate(bad):
+    for j, (_, text) in enumerate(bad):
         b = b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}' if text is None else text.encode()
         raw.insert(3 * j + 1, b)
     path.write_bytes(b"\n".join(raw) + b"\n")

@@ -32,7 +32,8 @@ def test_json_array_truncated_tail(tmp_path):
 def test_json_array_malformed_record_mid_file_resyncs(tmp_path):
     good = json.dumps(SG)
     p = tmp_path / "mid.json"
-    p.write_text("[" + good + ", {\"id\": \"bad\", \"conversations\": [ {\"from\": }]}, " + good.replace("a1", "a2") + "]")
+    p.write_text("[" + good + ", {\"id\": \"bad\", \"conversations\": [ {\"from\": }]}, "
+                 + good.replace("a1", "a2") + "]")
     out, st = read(p)
     assert [type(r).__name__ for r in out] == ["Raw", "Bad", "Raw"]
     assert out[1].reason == "malformed_json" and out[2].record_id == "a2"

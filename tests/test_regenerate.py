@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from eagle3.config import PrepareConfig, RegenConfig
-from eagle3.target import Target, prompt_ids
-from eagle3.regenerate.run import OUT_FILE, PREVIOUS, PROGRESS, clean_answer, read_records, regenerate
 from eagle3.generate import Gen
 from eagle3.regenerate.hf import load_hf
+from eagle3.regenerate.run import OUT_FILE, PREVIOUS, PROGRESS, clean_answer, read_records, regenerate
+from eagle3.target import Target, prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -242,7 +242,8 @@ def test_bad_input_is_counted_and_named(tmp_path, tiny_llama_dir):
         '{"id": "broken", "messages": [',
         json.dumps({"id": "alien", "messages": [{"role": "robot", "content": "x"}]}),
         json.dumps({"id": "lonely", "messages": [{"role": "user", "content": "anyone?"}]}),
-        json.dumps({"id": "blank", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}),
+        json.dumps({"id": "blank",
+                    "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}),
         json.dumps({**good, "id": "g2"}),
     ]) + "\n")
     m = regenerate(tiny_llama_dir, str(src), tmp_path / "out", RegenConfig(max_new_tokens=4))
@@ -278,7 +279,8 @@ def test_reasoning_empty_answers_and_long_prompts(tmp_path, tiny_llama_dir):
     m = regenerate(tiny_llama_dir, str(src), tmp_path / "drop", RegenConfig(reasoning="drop"),
                    generator=Scripted(tok, texts))
     recs = read_records(tmp_path / "drop")
-    assert [[x["content"] for x in r["messages"] if x["role"] == "assistant"] for r in recs] == [["Zero.", "Sq."], ["One."]]
+    assert ([[x["content"] for x in r["messages"] if x["role"] == "assistant"] for r in recs]
+            == [["Zero.", "Sq."], ["One."]])
     assert m.skipped == {"empty_answer": 1}  # r2 answered nothing but reasoning
     m = regenerate(tiny_llama_dir, str(src), tmp_path / "keep", RegenConfig(reasoning="keep"),
                    generator=Scripted(tok, texts))
@@ -300,7 +302,7 @@ def test_sampling_is_seeded_per_turn_not_per_batch(tmp_path, tiny_llama_dir):
         regenerate(tiny_llama_dir, str(src), tmp_path / name, cfg)
         outs[name] = [r["messages"] for r in read_records(tmp_path / name)]
     assert outs["b1"] == outs["b4"]
-    assert sum(a != b for a, b in zip(outs["b1"], outs["s8"])) == 5
+    assert sum(a != b for a, b in zip(outs["b1"], outs["s8"], strict=True)) == 5
     greedy = regenerate(tiny_llama_dir, str(src), tmp_path / "g", RegenConfig(max_new_tokens=8))
     assert greedy.settings["seed"] is None and greedy.settings["top_p"] == 1.0  # irrelevant to greedy: not in the key
 

@@ -26,7 +26,8 @@ def test_vllm_backend_equals_hf_backend_and_target_greedy(tmp_path, tiny_llama_d
     assert (m.backend, m.settings["backend"], m.settings["dtype"]) == ("vllm", "vllm", "float32")  # auto on CPU
     assert (m.records_written, m.turns_written) == (6, 8)
     hf = regenerate(tiny_llama_dir, str(src), tmp_path / "hf", RegenConfig(max_new_tokens=10))
-    assert [r["messages"] for r in read_records(tmp_path / "vllm")] == [r["messages"] for r in read_records(tmp_path / "hf")]
+    assert ([r["messages"] for r in read_records(tmp_path / "vllm")]
+            == [r["messages"] for r in read_records(tmp_path / "hf")])
     assert hf.settings["backend"] == "hf" and read_records(tmp_path / "vllm")[0]["provenance"]["key"] != \
         read_records(tmp_path / "hf")[0]["provenance"]["key"]  # another backend/dtype: never reused for the other
     assert check_equal_to_target(tiny_llama_dir, tmp_path / "vllm", 10) == 8
@@ -105,7 +106,8 @@ def test_real_engine_regenerates_the_hf_greedy_answers(tmp_path, smollm2_dir, mo
         [{"role": "user", "content": "Write one sentence about the sea."}, {"role": "assistant", "content": "Blue."}],
     ])))
     cfg = RegenConfig(max_new_tokens=24)
-    v = regenerate(smollm2_dir, str(src), tmp_path / "vllm", cfg.model_copy(update={"backend": "vllm", "engine_args": ENGINE}))
+    v = regenerate(smollm2_dir, str(src), tmp_path / "vllm",
+                   cfg.model_copy(update={"backend": "vllm", "engine_args": ENGINE}))
     assert engine_processes() == []
     h = regenerate(smollm2_dir, str(src), tmp_path / "hf", cfg)
     assert (v.records_written, v.turns_written) == (h.records_written, h.turns_written) == (3, 4)

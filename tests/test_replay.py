@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from eagle3.config import ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
-from eagle3.eval.prompts import Conversation, load_prompts
 from eagle3.eval.decode import DraftProposer, Stats, TargetLM, speculative_generate
-from eagle3.formats import load_draft
+from eagle3.eval.prompts import Conversation, load_prompts
 from eagle3.eval.replay import Turn, aux_states, bootstrap_ci, continuations, proposals, replay, walk
+from eagle3.formats import load_draft
 from eagle3.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,8 +31,9 @@ def head(tmp_path_factory, tiny_llama_dir):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread (OpenMP waits dominate on a shared CPU)
     regenerate(tiny_llama_dir, "sharegpt", root / "regen", RegenConfig(limit=24, max_new_tokens=64, batch_size=8))
-    prepare(tiny_llama_dir, root / "prep", PrepareConfig(data=str(root / "regen" / "regenerated.jsonl"),
-                                                         max_len=256, draft_vocab=1024, val_fraction=0.1), progress=False)
+    prepare(tiny_llama_dir, root / "prep",
+            PrepareConfig(data=str(root / "regen" / "regenerated.jsonl"), max_len=256, draft_vocab=1024,
+                          val_fraction=0.1), progress=False)
     run_extract(tiny_llama_dir, root / "prep", root / "hid", ExtractConfig(aux_layer_ids=AUX), show_progress=False)
     extract_verifier(tiny_llama_dir, root / "prep", root / "ver")
     cfg = TrainConfig(ttt_steps=3, max_steps=40, epochs=20, pack_tokens=256, lr=3e-3, warmup_steps=2, threads=1,
@@ -62,7 +63,7 @@ def test_replay_equals_live_round_by_round(setup):
     props = proposals(draft, turns, aux, K, MAX_NEW)
     live_target, proposer = TargetLM(model, AUX), DraftProposer(draft)
     total = disagree = accepted = 0
-    for turn, p in zip(turns, props):
+    for turn, p in zip(turns, props, strict=True):
         prompt = turn.ids[: turn.prompt_len]
         st = Stats(K)
         out = speculative_generate(live_target, proposer, prompt, K, MAX_NEW, eos, st)
@@ -70,7 +71,7 @@ def test_replay_equals_live_round_by_round(setup):
         assert out == turn.ids[turn.prompt_len : turn.prompt_len + turn.answer_len]
         rounds = walk(turn, p, K, MAX_NEW, eos)
         total += len(st.rounds)
-        disagree += sum(a != b for a, b in zip(rounds, st.rounds)) + abs(len(rounds) - len(st.rounds))
+        disagree += sum(a != b for a, b in zip(rounds, st.rounds, strict=False)) + abs(len(rounds) - len(st.rounds))
         accepted += sum(st.rounds)
         assert rounds == st.rounds, (turn.conv, turn.turn)
     assert disagree == 0 and total >= 20
@@ -81,7 +82,7 @@ def test_chains_at_the_rounds_equal_the_full_ttt_pass(setup):
     t, model, draft, convs, cache = setup
     turns, d, _ = continuations(t, model, convs, MAX_NEW, tail=8, cache=cache, batch_size=4)
     aux, _ = aux_states(model.get_decoder(), turns, AUX, d)
-    for n, (tr, a) in enumerate(zip(turns, aux)):
+    for n, (tr, a) in enumerate(zip(turns, aux, strict=True)):
         ids = torch.tensor(tr.ids)[None]  # [1, L]
         a = a.float()[None]
         with torch.no_grad():
@@ -89,13 +90,13 @@ def test_chains_at_the_rounds_equal_the_full_ttt_pass(setup):
         at = torch.rand(ids.shape[1], generator=torch.Generator().manual_seed(n)) < 0.3
         got = draft.ttt_states_at(ids, a, K, at)  # every chain carried through every step
         assert len(got) == K
-        for f, (pos, g) in zip(full, got):
+        for f, (pos, g) in zip(full, got, strict=True):
             assert torch.equal(pos, at.nonzero()[:, 0])
             torch.testing.assert_close(g, f[0, pos], rtol=1e-5, atol=1e-5)
         # keep: a chain stops where it is told; the later steps run at the survivors only
         drop = lambda j, pos, st: pos % 2 == 0  # noqa: E731
         got = draft.ttt_states_at(ids, a, K, at, drop)
-        for j, (f, (pos, g)) in enumerate(zip(full, got)):
+        for j, (f, (pos, g)) in enumerate(zip(full, got, strict=True)):
             want = at.nonzero()[:, 0]
             want = want[want % 2 == 0] if j else want
             assert torch.equal(pos, want)
@@ -178,8 +179,9 @@ def test_aux_states_on_packed_linears_equal_stock_to_rounding_and_rebuild_bitwis
     stock, _ = aux_states(base, turns, AUX, tmp_path / "a", packed=False)
     packed, _ = aux_states(base, turns, AUX, tmp_path / "b", packed=True)
     again, _ = aux_states(base, turns, AUX, tmp_path / "c", packed=True)
-    assert all(torch.equal(x, y) for x, y in zip(packed, again))  # one kernel (timed=False): reruns bitwise equal
-    for x, y in zip(stock, packed):  # bf16 states: at most about one rounding step apart
+    # one kernel (timed=False): reruns bitwise equal
+    assert all(torch.equal(x, y) for x, y in zip(packed, again, strict=True))
+    for x, y in zip(stock, packed, strict=True):  # bf16 states: at most about one rounding step apart
         torch.testing.assert_close(y.float(), x.float(), rtol=2 ** -7, atol=2 ** -7 * x.float().abs().max().item())
     assert type(base.layers[0].mlp.up_proj) is torch.nn.Linear  # the swap is undone
 

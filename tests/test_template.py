@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 
 from eagle3.data.normalize import Skip
 from eagle3.data.template import ChatRenderer, show
+
 from templates import INST, INST_SPECIAL, LLAMA3, LLAMA3_SPECIAL, with_template
 
 CONV = [
@@ -61,7 +62,7 @@ def test_llama3_style_golden(tok):
     ids, mask = encode(t, CONV)
     assert mask.tolist() == bits("000000000000000111111110000000000000000111111111")
     runs = np.split(ids, np.nonzero(np.diff(mask))[0] + 1)
-    trainable = [r for r, m in zip(runs, np.split(mask, np.nonzero(np.diff(mask))[0] + 1)) if m[0]]
+    trainable = [r for r, m in zip(runs, np.split(mask, np.nonzero(np.diff(mask))[0] + 1), strict=True) if m[0]]
     assert [t.decode(r) for r in trainable] == ["Hello! How can I help?<|eot_id|>",
                                                 "Why did the chicken cross the road?<|eot_id|>"]
     assert all(r[-1] == eot for r in trainable)

@@ -73,7 +73,7 @@ def test_two_processes_equal_one_with_same_global_batch(stages, tmp_path):
     run_train(stages, tmp_path / "two", "--max-steps", "4", "--grad-accum", "1", *replay, nproc=2)
     va, vb = vals(tmp_path / "one"), vals(tmp_path / "two")
     assert [v["step"] for v in va] == [2, 4] and all(v["replay_rounds"] > 0 for v in va)
-    for x, y in zip(va, vb):
+    for x, y in zip(va, vb, strict=True):
         assert x["replay_rounds"] == y["replay_rounds"] and abs(x["replay_tau"] - y["replay_tau"]) <= 1e-9
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(a) == [1, 2, 3, 4] and a[1] > 0
@@ -118,7 +118,7 @@ def vllm_expected(c) -> dict[str, tuple[int, ...]]:
     """Names and shapes vLLM's llama_eagle3.py loads: `midlayer.` is mapped to `layers.0.`, names without
     `lm_head` get a `model.` prefix, q/k/v and gate/up are stacked by its loader, `d2t` becomes
     draft_id_to_target_id, `t2d` is skipped, and embed_tokens is optional (shared with the target)."""
-    H, Ht, I, hd = c.hidden_size, c.target_hidden_size, c.intermediate_size, c.head_dim
+    H, Ht, Hi, hd = c.hidden_size, c.target_hidden_size, c.intermediate_size, c.head_dim
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
     e = {
         "fc.weight": (H, 3 * Ht),
@@ -129,9 +129,9 @@ def vllm_expected(c) -> dict[str, tuple[int, ...]]:
         "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, q),
         "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
+        "midlayer.mlp.gate_proj.weight": (Hi, H),
+        "midlayer.mlp.up_proj.weight": (Hi, H),
+        "midlayer.mlp.down_proj.weight": (H, Hi),
         "norm.weight": (H,),
         "lm_head.weight": (c.draft_vocab_size, H),
         "d2t": (c.draft_vocab_size,),
@@ -173,8 +173,8 @@ def test_native_export_is_what_vllm_loads(trained, tiny_llama_dir):
 def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
     """Build a draft from final/config.json alone + the target embedding; its logits equal the
     best checkpoint's, bitwise."""
-    from eagle3.store import open_store
     from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.store import open_store
     from eagle3.train.checkpoint import BEST, CKPT_DIR, load
 
     out, m = trained
@@ -202,14 +202,14 @@ def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
     with torch.no_grad():
         a = mine.ttt_forward(ids, aux, pos, steps=2)
         b = ref.ttt_forward(ids, aux, pos, steps=2)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert m.best_step in (2, 3) and m.best_sim_tau >= 1.0
 
 
 def test_speculators_export_layout(trained, tmp_path):
+    from eagle3.formats import export
     from eagle3.model import DraftConfig
     from eagle3.train.checkpoint import BEST, CKPT_DIR, load
-    from eagle3.formats import export
 
     out, m = trained
     c = DraftConfig(**m.draft_config)
@@ -225,9 +225,9 @@ def test_speculators_export_layout(trained, tmp_path):
 
 
 def test_warm_start_loads_weights_and_keeps_the_vocab(trained, stages, tmp_path):
+    from eagle3.manifests import HiddenStates
     from eagle3.train.checkpoint import BEST, CKPT_DIR
     from eagle3.train.loop import build_draft
-    from eagle3.manifests import HiddenStates
 
     out, _ = trained
     cfg = TrainConfig(ttt_steps=2, pack_tokens=192, threads=1, init_from=str(out / "final"))

@@ -154,7 +154,8 @@ def form_state(pg, ui) -> str:
     """What can keep a Submit from going through: inputs the browser holds invalid, error text the form
     shows, and the server's last log lines (its schema check answers the form before any run is made)."""
     invalid = pg.evaluate("""() => Array.from(document.querySelectorAll('input:invalid, textarea:invalid'))
-        .map(e => ((e.labels && e.labels[0] && e.labels[0].innerText) || e.name || e.id) + ': ' + e.validationMessage)""")
+        .map(e => ((e.labels && e.labels[0] && e.labels[0].innerText) || e.name || e.id)
+            + ': ' + e.validationMessage)""")
     errors = pg.locator("[role=alert], .text-destructive").all_inner_texts()
     log = (ui["home"] / "server.log").read_text(errors="replace").splitlines()[-40:]
     return f"invalid inputs: {invalid}; form errors: {errors}; server log tail:\n" + "\n".join(log)
@@ -185,7 +186,7 @@ def submit_run(pg, ui, deployment: str) -> None:
             made = [r for r in c.read_flow_runs(limit=20) if r.deployment_id == dep.id]
         assert not made, f"a run was made ({made[0].name}) but the page stayed on the form: {seen[-1]}"
         if attempt == 1:
-            warnings.warn(f"Submit made no run in 90 s; clicking again. The form showed: {seen[-1]}")
+            warnings.warn(f"Submit made no run in 90 s; clicking again. The form showed: {seen[-1]}", stacklevel=1)
     raise AssertionError("two Submits made no run:\n" + "\n---\n".join(seen))
 
 
@@ -290,7 +291,8 @@ def test_custom_run_from_the_ui_retries_artifacts_and_paused_nightly(ui, page, t
         # The pipeline's own log: one start and one end line per stage, the stages' lines, tau last.
         for stage in ("prepare", "extract", "verifier", "train", "eval"):
             # a stage run in this process logs its peak RSS; a stage hopped to the gpu pool ran elsewhere
-            mem = r", peak RSS \d+\.\d\d GiB( \(subprocesses \d+\.\d\d GiB\))?" if stage in ("prepare", "verifier") else ""
+            mem = (r", peak RSS \d+\.\d\d GiB( \(subprocesses \d+\.\d\d GiB\))?" if stage in ("prepare", "verifier")
+                   else "")
             assert f"{stage}: started" in log and re.search(rf"^{stage}: done in \d+m\d\ds{mem}: ", log, re.M), stage
         assert "extract | " in log and "injected transient failure" in log
         assert re.search(r"^tau = \d\.\d{3} at k=2 on 1 prompts", log, re.M)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.manifests import PreparedData, VerifierWeights, VocabMapInfo
 from eagle3.atomic import sha256_file
 from eagle3.cli import main
+from eagle3.manifests import PreparedData, VerifierWeights, VocabMapInfo
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.train.loss import TargetHead
 from eagle3.verifier import extract_verifier
@@ -153,7 +153,8 @@ def test_missing_tensors_are_named_with_the_files_searched(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "'lm_head.weight' not found in ['model.safetensors']" in err
     _fake_model(tmp_path / "w", "LlavaForConditionalGeneration", "text.", "", tie=False, wrapped=True)
-    with pytest.raises(ValueError, match=r"tried \['model.language_model.embed_tokens.weight'.*in \['model.safetensors'\]"):
+    with pytest.raises(ValueError,
+                       match=r"tried \['model.language_model.embed_tokens.weight'.*in \['model.safetensors'\]"):
         extract_verifier(tmp_path / "w", prepared, tmp_path / "o")
     assert not (tmp_path / "o" / "manifest.json").exists()
 
@@ -163,7 +164,8 @@ def test_bad_vocab_map_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="t2d has shape"):
         extract_verifier(tmp_path / "m", write_prepared(tmp_path / "p1", [1, 3], 41), tmp_path / "o")
     p2 = write_prepared(tmp_path / "p2", [1, 3], 40)
-    save_file({"d2t": torch.tensor([1, 1]), "t2d": torch.zeros(40, dtype=torch.bool)}, str(p2 / "vocab_map.safetensors"))
+    save_file({"d2t": torch.tensor([1, 1]), "t2d": torch.zeros(40, dtype=torch.bool)},
+              str(p2 / "vocab_map.safetensors"))
     with pytest.raises(ValueError, match="sha256 does not match the prepare manifest"):  # replaced behind its back
         extract_verifier(tmp_path / "m", p2, tmp_path / "o")
     m = PreparedData.read(p2)

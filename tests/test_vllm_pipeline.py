@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+
 import pytest
 import yaml
 
@@ -106,7 +107,8 @@ def test_served_head_answers_as_the_target_and_counts_accepted_tokens(vllm_run):
         tok = target.tokenizer()
         lm = target.load_model(head=True).eval()
         eos = sorted(target.stop_ids())
-        questions = ["question 5: what is 5 plus 5?", "question 11: what is 11 plus 11?", "question 20: what is 20 plus 20?"]
+        questions = ["question 5: what is 5 plus 5?", "question 11: what is 11 plus 11?",
+                     "question 20: what is 20 plus 20?"]
         for q in questions:
             msgs = [{"role": "user", "content": q}]
             reply = client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=32)
@@ -123,7 +125,8 @@ def test_served_head_answers_as_the_target_and_counts_accepted_tokens(vllm_run):
             assert vals, f"{name} not in /metrics"
             return sum(vals)
 
-        drafts, accepted = total("vllm:spec_decode_num_drafts_total"), total("vllm:spec_decode_num_accepted_tokens_total")
+        drafts, accepted = (total("vllm:spec_decode_num_drafts_total"),
+                            total("vllm:spec_decode_num_accepted_tokens_total"))
         assert drafts > 0 and accepted > 0, (drafts, accepted)
         print(f"\nserved head: {accepted:.0f} draft tokens accepted in {drafts:.0f} drafts "
               f"(tau {1 + accepted / drafts:.3f})")

@@ -11,7 +11,8 @@ from eagle3.data.vocab import build_maps, check_maps, load_maps, save_maps, sele
 def test_top_k_by_count_ties_by_id():
     counts = np.array([5, 0, 9, 5, 1, 9, 0, 2], dtype=np.int64)
     assert select_draft_tokens(counts, 4).tolist() == [0, 2, 3, 5]
-    assert select_draft_tokens(counts, 7).tolist() == [0, 1, 2, 3, 4, 5, 7]  # the 7th slot: the unseen token with the lowest id
+    # the 7th slot: the unseen token with the lowest id
+    assert select_draft_tokens(counts, 7).tolist() == [0, 1, 2, 3, 4, 5, 7]
     # 7 slots: seen tokens 2,5 (9), 0,3 (5), 7 (2), 4 (1), then the unseen with the lowest id (1).
 
 

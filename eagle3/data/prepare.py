@@ -19,14 +19,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.manifests import MANIFEST, PreparedData, ShardInfo, VocabMapInfo
 from eagle3.atomic import atomic_path, clean_temp_files, sha256_file
 from eagle3.config import DEFAULT_DRAFT_VOCAB, PrepareConfig
 from eagle3.data.normalize import Skip, normalize
-from eagle3.data.shards import SCHEMA
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
+from eagle3.data.shards import SCHEMA
 from eagle3.data.template import ChatRenderer, Rendered
 from eagle3.data.vocab import build_maps, load_maps, save_maps, select_draft_tokens
+from eagle3.manifests import MANIFEST, PreparedData, ShardInfo, VocabMapInfo
 from eagle3.target import Target
 
 log = logging.getLogger("eagle3.prepare")
@@ -151,7 +151,8 @@ def prepare(
     if cfg.vocab_from:  # checked before anything is written
         d2t, t2d = load_maps(_vocab_path(cfg.vocab_from))
         if len(t2d) != V:
-            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-row vocab, this target's embedding has {V}")
+            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-row vocab, "
+                             f"this target's embedding has {V}")
 
     # A stale manifest must never describe the shards we are about to overwrite.
     out.mkdir(parents=True, exist_ok=True)
@@ -184,7 +185,7 @@ def prepare(
         if not pending:
             return
         encoded = renderer.encode([r for _, r in pending], cfg.max_len)
-        for (rid, _), (ids, mask) in zip(pending, encoded):
+        for (rid, _), (ids, mask) in zip(pending, encoded, strict=True):
             if not mask.any():
                 skip(rid, "no_trainable_tokens", f"no assistant token within the first {cfg.max_len} tokens")
                 continue

@@ -78,7 +78,8 @@ class ChatRenderer:
                 at = full.find(txt, start)
             if at < 0:
                 if m["role"] == "assistant":
-                    raise Skip("template_mismatch", f"turn {i}: assistant content not found verbatim in the rendered text")
+                    raise Skip("template_mismatch",
+                               f"turn {i}: assistant content not found verbatim in the rendered text")
                 continue  # templates may rewrite user/system text; it only moves the cursor
             if m["role"] == "assistant":
                 spans.append((at, at + len(txt)))
@@ -90,23 +91,26 @@ class ChatRenderer:
         """ids int32 [T], mask int8 [T] for each rendered item, T <= max_len."""
         cap = max_len * _CHARS_PER_TOKEN_CAP
         out = self._encode([r.text if len(r.text) <= cap else r.text[:cap] for r in items], items, max_len)
-        redo = [i for i, (r, (ids, _)) in enumerate(zip(items, out)) if len(r.text) > cap and len(ids) < max_len]
+        redo = [i for i, (r, (ids, _)) in enumerate(zip(items, out, strict=True))
+                if len(r.text) > cap and len(ids) < max_len]
         if redo:  # the cut was too short to fill max_len: the exact path on the whole text
-            for i, res in zip(redo, self._encode([items[i].text for i in redo], [items[i] for i in redo], max_len)):
+            for i, res in zip(redo, self._encode([items[i].text for i in redo], [items[i] for i in redo], max_len),
+                              strict=True):
                 out[i] = res
         return out
 
     def _encode(self, texts: list[str], items: list[Rendered], max_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
         # every boundary inside each (possibly cut) text: span starts and ends, in order
-        bounds = [sorted({b for s in r.spans for b in s if 0 < b < len(t)}) for t, r in zip(texts, items)]
-        pieces = [[t[a:b] for a, b in zip([0, *bs], [*bs, len(t)])] for t, bs in zip(texts, bounds)]
+        bounds = [sorted({b for s in r.spans for b in s if 0 < b < len(t)}) for t, r in zip(texts, items, strict=True)]
+        pieces = [[t[a:b] for a, b in zip([0, *bs], [*bs, len(t)], strict=True)]
+                  for t, bs in zip(texts, bounds, strict=True)]
         full = encode_texts(self.tok, texts)
         flat = encode_texts(self.tok, [p for ps in pieces for p in ps])
         out, k = [], 0
-        for t, r, bs, ids, ps in zip(texts, items, bounds, full, pieces):
+        for t, r, bs, ids, ps in zip(texts, items, bounds, full, pieces, strict=True):
             seg, k = flat[k : k + len(ps)], k + len(ps)
             if [i for s in seg for i in s] == ids:
-                at = dict(zip(bs, np.cumsum([len(s) for s in seg])[:-1].tolist()))  # char -> token index
+                at = dict(zip(bs, np.cumsum([len(s) for s in seg])[:-1].tolist(), strict=True))  # char -> token index
             else:
                 ends = {e for _, e in r.spans}
                 at = {b: self._boundary(ids, t, b, b in ends) for b in bs}

@@ -226,7 +226,7 @@ def run_conversation(conv: Conversation, tokenizer, generate: Callable[[list[int
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -296,7 +296,7 @@ def compare(conv: Conversation, ref: list[list[int]], got: list[list[int]], toke
         "turns": [
             {"tokens": len(b), "lossless": a == b, "first_mismatch": _first_mismatch(a, b),
              "text": tokenizer.decode(b, skip_special_tokens=True)}
-            for a, b in zip(ref, got)
+            for a, b in zip(ref, got, strict=True)
         ],
     }
 

@@ -85,7 +85,8 @@ def read_jsonl_prompts(path: Path, limit: int | None = None) -> list[Conversatio
             elif isinstance(rec.get("prompt"), str) and rec["prompt"]:
                 convs.append(Conversation(rid, [{"role": "user", "content": rec["prompt"]}]))
             else:
-                raise ValueError(f"{where}: needs a `prompt` string, a `messages` list or `turns` (keys: {sorted(rec)[:6]})")
+                raise ValueError(f"{where}: needs a `prompt` string, a `messages` list or `turns` "
+                                 f"(keys: {sorted(rec)[:6]})")
     if not convs:
         raise ValueError(f"{path}: no prompts")
     return convs
@@ -107,7 +108,8 @@ def read_prepared_prompts(prepared: Path, limit: int | None = None) -> list[Conv
             continue  # no prompt before the first answer token
         convs.append(Conversation(row["record_id"], ids=[int(x) for x in row["input_ids"][: nz[0]]]))
     if not convs:
-        raise ValueError(f"{prepared}: the val split holds no sample with a prompt (rerun prepare with --val-fraction > 0)")
+        raise ValueError(f"{prepared}: the val split holds no sample with a prompt "
+                         "(rerun prepare with --val-fraction > 0)")
     return convs
 
 

@@ -114,7 +114,7 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress)
             text = tok.decode(answer, skip_special_tokens=True)  # as run_conversation renders the next turn
             msgs[n] += [{"role": "assistant", "content": text}, {"role": "user", "content": c.followups[i - 1]}]
             prompts.append(prompt_ids(tok, msgs[n]))
-        for n, prompt, g in zip(todo, prompts, gen.generate(prompts, [0] * len(prompts))):
+        for n, prompt, g in zip(todo, prompts, gen.generate(prompts, [0] * len(prompts)), strict=True):
             t = Turn(convs[n].id, i, len(prompt), list(prompt) + g.raw, len(finish_answer(g.raw, max_new, eos)))
             turns.append(t)
             prev[n] = t
@@ -164,9 +164,10 @@ def _aux_states(base, turns, aux_ids, path, batch_tokens, packed) -> tuple[list[
     return [out[str(i)] for i in range(len(turns))], time.perf_counter() - t0
 
 
-def build_replay_set(model_dir: str | Path, prompts: str | Path, limit: int, max_new: int, aux_ids: Sequence[int] | None,
-                     tail: int = 8, trust_remote_code: bool = False, cache: str | Path | None = None,
-                     device: str | None = None, progress: Progress | None = None) -> Path:
+def build_replay_set(model_dir: str | Path, prompts: str | Path, limit: int, max_new: int,
+                     aux_ids: Sequence[int] | None, tail: int = 8, trust_remote_code: bool = False,
+                     cache: str | Path | None = None, device: str | None = None,
+                     progress: Progress | None = None) -> Path:
     """The target's greedy answers to the first `limit` prompts of `prompts` (e.g. a prepared dir's val
     split) and their aux states; returns the (content-cached) dir that `ReplaySet.load` reads."""
     from eagle3.eval.prompts import load_prompts
@@ -213,7 +214,7 @@ def replay(draft, turns: Sequence[Turn], aux: Sequence[torch.Tensor], convs: Seq
     props = proposals(draft, turns, aux, k, max_new)
     by_conv: dict[str, list[dict[str, Any]]] = {c.id: [] for c in convs}
     per_conv: dict[str, list[int]] = {c.id: [0, 0] for c in convs}
-    for t, p in zip(turns, props):
+    for t, p in zip(turns, props, strict=True):
         rounds = walk(t, p, k, max_new, eos)
         for a in rounds:
             stats.add(a)

@@ -26,15 +26,16 @@ from eagle3.eval.decode import DraftProposer, measure
 from eagle3.eval.prompts import Conversation, load_prompts, prompts_fingerprint
 from eagle3.eval.report import finish_report
 from eagle3.formats import dir_fingerprint, load_draft
+from eagle3.heap import retain_freed_memory
 from eagle3.manifests import EvalReport
 from eagle3.model import Eagle3Draft
-from eagle3.heap import retain_freed_memory
 from eagle3.target import Target
 
 log = logging.getLogger("eagle3.eval")
 
 
-def inputs(model_dir: str | Path, draft_dir: str | Path, cfg: EvalConfig, trust_remote_code: bool = False) -> dict[str, Any]:
+def inputs(model_dir: str | Path, draft_dir: str | Path, cfg: EvalConfig,
+           trust_remote_code: bool = False) -> dict[str, Any]:
     """What a report depends on: the target's, the head's and the prompts' content, and the settings.
     The stage's "already done" check and the Prefect task's cache key are both this dict."""
     return {"model": Target.open(model_dir, trust_remote_code).fingerprint(), "draft": dir_fingerprint(draft_dir),
@@ -49,8 +50,9 @@ def load_target(model_dir: str | Path, device: str | torch.device | None = None,
     return target.load_model(head=True, device=device), tok, target.stop_ids()
 
 
-def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg: EvalConfig, *, device: str | None = None,
-             progress: Callable[[int, int], None] | None = None, trust_remote_code: bool = False) -> EvalReport:
+def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg: EvalConfig, *,
+             device: str | None = None, progress: Callable[[int, int], None] | None = None,
+             trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head as `cfg` says; write report.json, acceptance.png, samples.jsonl, manifest.json.
 
     A finished `out` with the same inputs and config is returned as is. `cfg.threads` sets torch's CPU

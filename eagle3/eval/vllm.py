@@ -64,7 +64,8 @@ def stats_between(before: dict[str, Any], after: dict[str, Any], k: int) -> Stat
     """The counters accumulated between two `spec_counters` snapshots, as a Stats of k positions."""
     delta = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
     if delta["drafts"] and delta["draft_tokens"] != delta["drafts"] * k:
-        raise RuntimeError(f"vLLM drafted {delta['draft_tokens']} tokens in {delta['drafts']} passes, expected k={k} each")
+        raise RuntimeError(f"vLLM drafted {delta['draft_tokens']} tokens in {delta['drafts']} passes, "
+                           f"expected k={k} each")
     pa, pb = after["per_pos"], before["per_pos"]
     per = [(pa[i] if i < len(pa) else 0) - (pb[i] if i < len(pb) else 0) for i in range(k)]
     if sum(per) != delta["accepted"]:
@@ -89,9 +90,9 @@ def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path,
     fmt = draft_format(json.loads(cpath.read_text()))
     target = Target.open(model_dir, trust_remote_code)
     tok = target.tokenizer()
-    common = dict(model=str(model_dir), dtype=resolve_dtype(cfg.dtype), gpu_memory_utilization=cfg.gpu_memory_utilization,
-                  enable_prefix_caching=False, disable_log_stats=False, trust_remote_code=trust_remote_code,
-                  **cfg.engine_args)
+    common = dict(model=str(model_dir), dtype=resolve_dtype(cfg.dtype),
+                  gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
+                  disable_log_stats=False, trust_remote_code=trust_remote_code, **cfg.engine_args)
     base = start_engine("eval --backend vllm", **common)
     spec = start_engine("eval --backend vllm", **common, speculative_config=speculative_config(draft_dir, k))
     sp = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)

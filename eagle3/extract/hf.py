@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from eagle3 import heap
 from eagle3.capture import catch, padded_batches
 from eagle3.cpu_linear import packed_linears
-from eagle3 import heap
 from eagle3.faults import point
 
 Sample = tuple[str, torch.Tensor]  # (sample_id, input_ids [T])
@@ -57,14 +57,16 @@ class HFBackend:
             self.model(input_ids=ids.to(self.device), use_cache=False)
         return torch.stack(caught, dim=2)
 
-    def extract(self, samples: Sequence[Sample], on_tokens: Callable[[int], None] | None = None) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    def extract(
+        self, samples: Sequence[Sample], on_tokens: Callable[[int], None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """Yield (sample_id, token_ids [T], hidden [T, n_aux + 1, H] on CPU) for every sample."""
         # On CPU the linear layers run on oneDNN-prepacked weights (eagle3.cpu_linear; 0.87x stock's time
         # at extraction's row counts), always that kernel (timed=False), so reruns are bitwise equal.
         with packed_linears(self.model, timed=False):
             for group, lengths, ids in padded_batches([ids for _, ids in samples], self.batch_tokens, self.pad_id):
                 h = self.forward(ids).cpu()  # [B, T_max, L, H]
-                for r, (i, n) in enumerate(zip(group, lengths)):
+                for r, (i, n) in enumerate(zip(group, lengths, strict=True)):
                     sid, tok = samples[i]
                     yield sid, tok, h[r, :n]
                 if on_tokens is not None:

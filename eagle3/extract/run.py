@@ -22,9 +22,10 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle3.manifests import HiddenShardInfo, HiddenStates, PreparedData
 from eagle3.atomic import atomic_path, clean_temp_files, sha256_file, sha256_file_cached
 from eagle3.config import ExtractConfig
+from eagle3.heap import retain_freed_memory
+from eagle3.manifests import HiddenShardInfo, HiddenStates, PreparedData
 from eagle3.store import (
     FORMAT_VERSION,
     INDEX_FILE,
@@ -37,7 +38,6 @@ from eagle3.store import (
     shard_meta,
     shard_problem,
 )
-from eagle3.heap import retain_freed_memory
 from eagle3.target import Target
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do) of this run
@@ -85,7 +85,7 @@ def load_samples(prepared_dir: str | Path, prep: PreparedData, splits: Sequence[
             n_ids = pc.list_value_length(t["input_ids"]).to_pylist()
             n_mask = pc.list_value_length(t["loss_mask"]).to_pylist()
             sids = t["sample_id"].to_pylist()
-            for sid, a, b in zip(sids, n_ids, n_mask):
+            for sid, a, b in zip(sids, n_ids, n_mask, strict=True):
                 if not a or a != b:
                     raise ValueError(f"{path}: sample {sid}: {a} input ids but {b} loss-mask values")
             s.split += [split] * t.num_rows
@@ -103,7 +103,7 @@ def plan_shards(s: Samples, tok_bytes: int, shard_bytes: int, common: dict[str, 
     plans: list[ShardPlan] = []
     idx: dict[str, int] = {}
     cur: ShardPlan | None = None
-    for row, (split, sid, n) in enumerate(zip(s.split, s.sample_id, s.length)):
+    for row, (split, sid, n) in enumerate(zip(s.split, s.sample_id, s.length, strict=True)):
         if cur is None or cur.split != split or (cur.rows and (cur.num_tokens + n) * tok_bytes > shard_bytes):
             cur = ShardPlan(split, idx.get(split, 0), [], [], [])
             idx[split] = cur.index + 1
@@ -156,7 +156,8 @@ def disk_preflight(out: Path, todo: list[ShardPlan], n_aux: int, hidden: int, st
 
 
 # ---------------------------------------------------------------- the stage
-def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig, trust_remote_code: bool = False) -> dict[str, Any]:
+def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig,
+           trust_remote_code: bool = False) -> dict[str, Any]:
     """What the stored states depend on: the prepared data's and the target's content, the layer ids, the
     storage and the shard plan's settings (backend, batch and parallelism settings change speed, not bytes).
     The stage's "already done" check and the Prefect task's cache key are both this dict."""
@@ -249,7 +250,7 @@ def run_extract(
     todo_tokens = sum(
         n_tok
         for p in plans if p.file not in committed
-        for sid, n_tok in dict(zip(p.sample_ids, p.lengths)).items() if sid not in reusable
+        for sid, n_tok in dict(zip(p.sample_ids, p.lengths, strict=True)).items() if sid not in reusable
     )
     disk_preflight(out, [p for p in plans if p.file not in committed], n_aux, hidden, cfg.storage)
 
@@ -274,12 +275,13 @@ def run_extract(
     try:
         for p in plans:
             if p.file in committed:
-                shard_sha[p.file] = known.get(p.file) or sha256_file_cached(out / p.file)  # a known one was just checked
+                # a known one was just checked
+                shard_sha[p.file] = known.get(p.file) or sha256_file_cached(out / p.file)
                 continue
             w = ShardWriter(p, n_aux, hidden, cfg.storage)
             todo = []
             seen: set[str] = set()
-            for row, sid in zip(p.rows, p.sample_ids):
+            for row, sid in zip(p.rows, p.sample_ids, strict=True):
                 if sid in seen:
                     continue  # the same content twice: compute it once, store it twice
                 seen.add(sid)
@@ -376,7 +378,7 @@ def _write_index(out: Path, plans: list[ShardPlan]) -> str:
     cols: dict[str, list] = {"sample_id": [], "split": [], "shard": [], "offset": [], "length": []}
     for k, p in enumerate(plans):
         off = 0
-        for sid, n in zip(p.sample_ids, p.lengths):
+        for sid, n in zip(p.sample_ids, p.lengths, strict=True):
             cols["sample_id"].append(sid)
             cols["split"].append(p.split)
             cols["shard"].append(k)
@@ -393,9 +395,10 @@ def _write_index(out: Path, plans: list[ShardPlan]) -> str:
 def check_engine_length(samples: Samples, limit: int) -> None:
     """vLLM refuses a prompt (and an engine whose max_model_len is) past the model's context: say so up
     front, naming the samples, instead of failing after the engine started. +1: the one sampled token."""
-    over = [(sid, n) for sid, n in zip(samples.sample_id, samples.length) if n + 1 > limit]
+    over = [(sid, n) for sid, n in zip(samples.sample_id, samples.length, strict=True) if n + 1 > limit]
     if over:
-        named = ", ".join(f"{sid} ({n} tokens)" for sid, n in over[:5]) + (f" and {len(over) - 5} more" if len(over) > 5 else "")
+        named = (", ".join(f"{sid} ({n} tokens)" for sid, n in over[:5])
+                 + (f" and {len(over) - 5} more" if len(over) > 5 else ""))
         raise ValueError(
             f"extract --backend vllm: {len(over)} sample(s) longer than the engine allows "
             f"(max_position_embeddings {limit}, one position kept for the sampled token): {named}; "

@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.manifests import MANIFEST, RegeneratedData
 from eagle3.atomic import atomic_write_json, clean_temp_files, fsync_dir, sha256_file, sha256_json
 from eagle3.config import RegenConfig
 from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
 from eagle3.generate import Generator
 from eagle3.heap import retain_freed_memory
+from eagle3.manifests import MANIFEST, RegeneratedData
 from eagle3.target import Target, prompt_ids
 
 log = logging.getLogger("eagle3.regenerate")
@@ -324,7 +324,7 @@ def regenerate(
         generated_tokens += ntok
         prompt_tokens += nprompt
 
-        for i, s in slots:
+        for _, s in slots:
             if isinstance(s, dict):  # reused
                 orig = s.pop("_original")
                 rec = s
@@ -404,7 +404,7 @@ def _run_waves(convs: list[_Conv], gen: Generator, tok, cfg: RegenConfig, max_le
         outs = gen.generate(prompts, seeds)
         if len(outs) != len(wave):
             raise RuntimeError(f"backend {gen.name} returned {len(outs)} answers for {len(wave)} prompts")
-        for c, g in zip(wave, outs):
+        for c, g in zip(wave, outs, strict=True):
             ntok += len(g.ids) + (g.finish == "stop")
             text = clean_answer(tok.decode(g.ids, skip_special_tokens=True), cfg.reasoning)
             if not text.strip():

@@ -3,12 +3,12 @@
 Contract, as read in vLLM's source (facts only):
 - `vllm/entrypoints/llm.py`: `LLM(model, *, tensor_parallel_size=1, dtype="auto", seed=None,
   gpu_memory_utilization=0.9, **engine_args)`; dtype "auto" turns an fp32 config (SmolLM2's)
-  into fp16, so the dtype is passed explicitly (`eagle3.vllm_engine.resolve_dtype`). `generate(prompts, sampling_params, *,
-  use_tqdm=True)` takes `{"prompt_token_ids": [...]}` prompts and either one SamplingParams or a
-  list "paired one by one with the prompt" (a length mismatch raises ValueError). Each request
-  gets `request_id = str(next(counter))`; the engine schedules all of them at once (continuous
-  batching) and the finished outputs are returned sorted by `int(request_id)`, i.e. "in the same
-  order as the input prompts".
+  into fp16, so the dtype is passed explicitly (`eagle3.vllm_engine.resolve_dtype`).
+  `generate(prompts, sampling_params, *, use_tqdm=True)` takes `{"prompt_token_ids": [...]}` prompts
+  and either one SamplingParams or a list "paired one by one with the prompt" (a length mismatch
+  raises ValueError). Each request gets `request_id = str(next(counter))`; the engine schedules all
+  of them at once (continuous batching) and the finished outputs are returned sorted by
+  `int(request_id)`, i.e. "in the same order as the input prompts".
 - `vllm/sampling_params.py`: `SamplingParams(temperature, top_p, seed, max_tokens,
   stop_token_ids, detokenize, ...)`; temperature 0 is greedy; a per-request `seed` gives that
   request its own random stream (so a sampled answer does not depend on its batch); stop token
@@ -52,7 +52,8 @@ class VllmGenerator:
 
     name = "vllm"
 
-    def __init__(self, model: str | Path, cfg: RegenConfig, max_len: int, eos: set[int], trust_remote_code: bool = False):
+    def __init__(self, model: str | Path, cfg: RegenConfig, max_len: int, eos: set[int],
+                 trust_remote_code: bool = False):
         self.cfg, self.eos, self.dtype = cfg, set(eos), resolve_dtype(cfg.dtype)
         self.llm = start_engine("regenerate --backend vllm", **llm_kwargs(model, cfg, max_len, trust_remote_code))
 
@@ -71,7 +72,7 @@ class VllmGenerator:
         if len(outs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(prompts)} prompts")
         res = []
-        for i, (p, o) in enumerate(zip(prompts, outs)):
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
             if list(o.prompt_token_ids) != list(p):
                 raise RuntimeError(f"vLLM output {i} (request {o.request_id}) answers another prompt: "
                                    "outputs are not in prompt order")

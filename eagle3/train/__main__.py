@@ -22,7 +22,8 @@ FLAGS = [
     ("--hidden", dict(required=True, help="extract stage dir (hidden states)")),
     ("--verifier", dict(required=True, help="verifier stage dir")),
     ("--out", dict(required=True, help="output dir: checkpoints/, final/, metrics.jsonl, manifest.json")),
-    ("--config", dict(default=None, help="TrainConfig (or a pipeline config's train section) as YAML/JSON; flags override it")),
+    ("--config", dict(default=None, help="TrainConfig (or a pipeline config's train section) as YAML/JSON; "
+                                         "flags override it")),
     ("--verifier-name", dict(default="", help="target name recorded in a speculators export")),
     ("--restart-on-mismatch", dict(action="store_true", help="clear checkpoints of another config/inputs in --out "
                                    "instead of refusing to start")),
@@ -38,7 +39,8 @@ def command(hidden, verifier, out, cfg: C.TrainConfig, verifier_name: str = "", 
     (validating on the replay set `replay`, when given)."""
     Path(out).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(out) / CONFIG_FILE, cfg.model_dump_json(indent=1))
-    argv = ["--hidden", str(hidden), "--verifier", str(verifier), "--out", str(out), "--config", str(Path(out) / CONFIG_FILE)]
+    argv = ["--hidden", str(hidden), "--verifier", str(verifier), "--out", str(out),
+            "--config", str(Path(out) / CONFIG_FILE)]
     argv += ["--verifier-name", verifier_name] if verifier_name else []
     argv += ["--restart-on-mismatch"] if restart_on_mismatch else []
     argv += ["--replay", str(replay)] if replay else []

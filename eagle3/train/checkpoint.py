@@ -76,7 +76,8 @@ def _plain(x: Any, where: str = "state") -> None:
                         f"numbers or strings (the file is read with weights_only=True)")
 
 
-def save(root: Path, name: str, model_state: dict[str, torch.Tensor], state: dict[str, Any], meta: dict[str, Any]) -> Path:
+def save(root: Path, name: str, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+         meta: dict[str, Any]) -> Path:
     """Write checkpoint `name` under root/checkpoints atomically; returns its dir."""
     base = root / CKPT_DIR
     base.mkdir(parents=True, exist_ok=True)

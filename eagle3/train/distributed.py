@@ -146,4 +146,5 @@ def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, state: di
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+    set_optimizer_state_dict(model, opt, state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))

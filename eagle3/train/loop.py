@@ -21,17 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3.manifests import HiddenStates, TrainedDraft, VerifierWeights
+from eagle3 import heap
 from eagle3.atomic import append_text, atomic_write_text, sha256_file
 from eagle3.chains import ReplaySet, replay_counts
 from eagle3.config import TrainConfig
-from eagle3.store import open_store
+from eagle3.formats import export
+from eagle3.manifests import HiddenStates, TrainedDraft, VerifierWeights
 from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.store import open_store
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
-from eagle3.formats import export
-from eagle3 import heap
 from eagle3.train.loss import TargetHead, TTTLossOutput, step_weights, ttt_loss_fused
 from eagle3.train.metrics import Meter, TensorBoard, chain_acceptance, plot_curves
 
@@ -50,8 +50,8 @@ class TTT(nn.Module):
 
     def forward(self, input_ids, aux, position_ids, doc, loss_mask, target_logits, target_top) -> TTTLossOutput:
         states = self.draft.ttt_states(input_ids, aux, position_ids, self.steps, doc=doc, block=self.block)
-        return ttt_loss_fused(states, self.draft.lm_head.weight, target_logits, target_top, loss_mask, doc, self.weights,
-                              **self.loss_kw)
+        return ttt_loss_fused(states, self.draft.lm_head.weight, target_logits, target_top, loss_mask, doc,
+                              self.weights, **self.loss_kw)
 
 
 @dataclass
@@ -87,7 +87,8 @@ def warm_start(draft: Eagle3Draft, src: Path) -> None:
     path = src / "model.safetensors"
     if not path.is_file():
         raise ValueError(f"init_from: {path} does not exist (expected an exported draft dir, e.g. <train>/final)")
-    w = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in load_file(str(path)).items()}
+    w = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v
+         for k, v in load_file(str(path)).items()}
     if "d2t" not in w or not torch.equal(w["d2t"], draft.d2t):
         raise ValueError(f"init_from: {src} was trained with another draft vocab (d2t differs); a warm start keeps "
                          "the vocab map fixed: prepare with vocab_from=<the promoted run's prepare dir>")
@@ -124,7 +125,7 @@ class TopCache:
             return logits, torch.cat([self.top[k] for k in keys]).to(logits.device)[None]
         logits, top = head(batch["final"])
         lengths = torch.bincount(batch["doc"][0], minlength=len(idx)).tolist()
-        for k, t in zip(keys, top[0].split(lengths)):
+        for k, t in zip(keys, top[0].split(lengths), strict=True):
             self.top[k] = t.to("cpu", torch.int32)
         return logits, top
 
@@ -225,7 +226,8 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     if replay is not None and cfg.replay_prompts:
         rs = ReplaySet.load(replay, hidden.aux_layer_ids)
         if rs.model_fingerprint != hidden.model_fingerprint:
-            raise ValueError(f"replay set {replay} was built from another target than the hidden states in {hidden_dir}")
+            raise ValueError(f"replay set {replay} was built from another target than the hidden states in "
+                             f"{hidden_dir}")
     elif cfg.replay_prompts and world.main:
         log.info("train: no replay set given (--replay): validation reports simulated tau only")
     fp = inputs(hidden_dir, verifier_dir, cfg, rs)

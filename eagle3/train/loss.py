@@ -107,7 +107,8 @@ class TargetHead(torch.nn.Module):
             return logits, None
         flat = x.reshape(-1, x.shape[-1])
         # full-vocab argmax in chunks of rows: never more than chunk x V logits alive
-        top = torch.cat([(c @ self.lm_head.T).argmax(-1) for c in flat.split(self.chunk)]) if flat.numel() else flat.new_zeros(0, dtype=torch.long)
+        top = (torch.cat([(c @ self.lm_head.T).argmax(-1) for c in flat.split(self.chunk)]) if flat.numel()
+               else flat.new_zeros(0, dtype=torch.long))
         return logits, self.t2d_index[top].view(x.shape[:-1])
 
 
@@ -126,7 +127,7 @@ class TTTLossOutput:
     @property
     def accuracy(self) -> list[float]:
         """Per-step top-1 agreement with the target: the inputs of simulated acceptance."""
-        return [c / n if n else float("nan") for c, n in zip(self.correct, self.count)]
+        return [c / n if n else float("nan") for c, n in zip(self.correct, self.count, strict=True)]
 
 
 def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
@@ -141,7 +142,8 @@ def _check(k: int, weights, target_shape, target_top, loss_mask, doc) -> tuple[l
         raise ValueError(f"{len(weights)} step weights for {k} steps")
     B, L = target_shape[:2]
     if loss_mask.shape != (B, L) or target_top.shape != (B, L):
-        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} / target_top {tuple(target_top.shape)} must be [B, L] = [{B}, {L}]")
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} / target_top {tuple(target_top.shape)} "
+                         f"must be [B, L] = [{B}, {L}]")
     doc = torch.zeros(B, L, dtype=torch.long, device=loss_mask.device) if doc is None else doc
     return weights, doc
 
@@ -183,7 +185,7 @@ def ttt_loss(
     weights, doc = _check(len(draft_logits), weights, target_logits.shape, target_top, loss_mask, doc)
     logp_all = target_logits.float().log_softmax(-1)  # [B, L, Vd]
     out = TTTLossOutput(loss=target_logits.new_zeros((), dtype=torch.float32))
-    for j, (q_logits, w) in enumerate(zip(draft_logits, weights)):
+    for j, (q_logits, w) in enumerate(zip(draft_logits, weights, strict=True)):
         valid, top, b_idx, t_idx = _step_rows(j, target_top, loss_mask, doc)
         logp = logp_all[b_idx, t_idx + j + 1]  # [N, Vd]
         p = logp.exp()
@@ -231,7 +233,8 @@ def ttt_loss_fused(
     topk: int = 10,
     topk_weight: float = 1.0,
 ) -> TTTLossOutput:
-    """`ttt_loss(lm_head(states), ..., loss=loss, eta=eta, topk=topk, topk_weight=topk_weight)` without ever holding a [B, L, Vd] draft tensor.
+    """`ttt_loss(lm_head(states), ..., loss=loss, eta=eta, topk=topk, topk_weight=topk_weight)` without ever
+    holding a [B, L, Vd] draft tensor.
 
     states: k tensors [B, L, H], the draft's normed states (`Eagle3Draft.ttt_states`);
     lm_head: the draft's lm_head weight [Vd, H]. The scored rows of all steps go through lm_head
@@ -244,7 +247,7 @@ def ttt_loss_fused(
     weights, doc = _check(len(states), weights, target_logits.shape, target_top, loss_mask, doc)
     L = target_logits.shape[1]
     steps, hs, rows, scale = [], [], [], []
-    for j, (h, w) in enumerate(zip(states, weights)):
+    for j, (h, w) in enumerate(zip(states, weights, strict=True)):
         valid, top, b_idx, t_idx = _step_rows(j, target_top, loss_mask, doc)
         steps.append((valid, top, b_idx, t_idx))
         hs.append(h[b_idx, t_idx])  # [N_j, H]
@@ -257,11 +260,13 @@ def ttt_loss_fused(
     if loss == "lk":
         with torch.no_grad():
             alpha = _overlap(h_all, lm_head, tl, rows_all, chunk)
-        mix = torch.cat([torch.full((n,), lk_lambda(a, eta), device=h_all.device) for n, a in zip(sizes, alpha.split(sizes))])
+        mix = torch.cat([torch.full((n,), lk_lambda(a, eta), device=h_all.device)
+                         for n, a in zip(sizes, alpha.split(sizes), strict=True)])
     top = (topk, topk_weight) if loss == "topk" else None
     out_loss, kl, arg, alpha = _HeadKL.apply(h_all, lm_head, tl, rows_all, torch.cat(scale), chunk, need_grad, mix, top)
     out = TTTLossOutput(loss=out_loss)
-    for (valid, top, b_idx, t_idx), kl_j, arg_j, a_j in zip(steps, kl.split(sizes), arg.split(sizes), alpha.split(sizes)):
+    for (valid, top, b_idx, t_idx), kl_j, arg_j, a_j in zip(steps, kl.split(sizes), arg.split(sizes),
+                                                             alpha.split(sizes), strict=True):
         hit = torch.zeros_like(valid)
         hit[b_idx, t_idx] = arg_j == top[b_idx, t_idx]
         _record(out, kl_j.sum(), int(b_idx.numel()), hit, valid, a_j.sum())
@@ -297,13 +302,14 @@ class _HeadKL(torch.autograd.Function):
     with `top` = (K, w): sum_i scale_i * (KL_i - w * sum_{v in topK(p_i)} p_iv log q_iv).
 
     The gradient is formed in the forward pass, chunk by chunk (d KL / d z = q - p; d (1 - alpha) / d z
-    = q * (s - m) with m = [q < p], s = sum_v m_v q_v; d top-K CE / d z = q * sum(p_K) - p_K), so nothing of size [N, Vd] outlives a chunk;
-    backward only scales the stored grads by the incoming scalar. Also returns each row's KL, the draft
-    argmax (for top-1 agreement) and the overlap alpha.
+    = q * (s - m) with m = [q < p], s = sum_v m_v q_v; d top-K CE / d z = q * sum(p_K) - p_K), so nothing
+    of size [N, Vd] outlives a chunk; backward only scales the stored grads by the incoming scalar. Also
+    returns each row's KL, the draft argmax (for top-1 agreement) and the overlap alpha.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, target_logits, rows, scale, chunk, need_grad, mix=None, top=None):  # h [N, H], weight [Vd, H], rows/scale/mix [N]
+    def forward(ctx, h, weight, target_logits, rows, scale, chunk, need_grad, mix=None,
+                top=None):  # h [N, H], weight [Vd, H], rows/scale/mix [N]
         W = weight.float()
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_grad else None
         grad_w = torch.zeros_like(W) if need_grad else None

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 
-
 @torch.no_grad()
 def chain_acceptance(out) -> tuple[float, float, list[float]]:
     """(sum of accepted lengths, scored positions, positions reaching each step) for one batch.

@@ -40,7 +40,8 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         n_base = len(ranks)
         names = {int(i): getattr(t, "content", t) for i, t in (added_tokens_decoder or {}).items()}
         self.special_tokens = {
-            names.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, n_base + self.num_reserved_special_tokens + 2)
+            names.get(i, f"<|reserved_token_{i}|>"): i
+            for i in range(n_base, n_base + self.num_reserved_special_tokens + 2)
         }
         self.vocab_file = vocab_file
         self.model = tiktoken.Encoding(name=Path(vocab_file).name, pat_str=PATTERN, mergeable_ranks=ranks,
@@ -49,7 +50,8 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {v: k for k, v in self.byte_encoder.items()}
         self.decoder = {
-            i: "".join(self.byte_encoder[b] for b in self.model.decode_single_token_bytes(i)) for i in range(self.n_words)
+            i: "".join(self.byte_encoder[b] for b in self.model.decode_single_token_bytes(i))
+            for i in range(self.n_words)
         }
         self.encoder = {s: i for i, s in self.decoder.items()}
         self.bos_id, self.eos_id = self.special_tokens[str(bos_token)], self.special_tokens[str(eos_token)]
