@@ -1,7 +1,7 @@
 """Every linear layer of SmolLM2-135M (210 + the tied lm_head), one pass per row count, per kernel.
 
 The kernels: stock (torch's F.linear on the [out, in] weight, MKL sgemm), gemv (`x @ W^T` on a
-contiguous transposed copy) and onednn (`eagle3.cpu_linear.PackedLinear`, oneDNN-prepacked weight).
+contiguous transposed copy) and onednn (`eagle3.decoding.cpu_linear.PackedLinear`, oneDNN-prepacked weight).
 Rows 1..6 are a decode step (1) and verify passes (k+1); 16-64 batched decoding; 400 a prefill.
 Printed: median ms of `--repeats` passes per (rows, kernel), the kernels timed alternately so that
 load hits each alike, and each kernel's ratio to stock at that row count. What matters for
@@ -24,8 +24,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eagle3.cpu_linear import PackedLinear, available  # noqa: E402
-from eagle3.target import Target  # noqa: E402
+from eagle3.decoding.cpu_linear import PackedLinear, available  # noqa: E402
+from eagle3.model.target import Target  # noqa: E402
 
 
 def main() -> None:

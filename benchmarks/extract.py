@@ -33,8 +33,8 @@ from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import ExtractConfig, PrepareConfig  # noqa: E402
 from eagle3.extract import run_extract  # noqa: E402
 from eagle3.extract.hf import HFBackend  # noqa: E402
-from eagle3.store import open_store  # noqa: E402
-from eagle3.target import Target  # noqa: E402
+from eagle3.model.target import Target  # noqa: E402
+from eagle3.storage.store import open_store  # noqa: E402
 
 
 class TimedHF(HFBackend):
@@ -119,7 +119,7 @@ def main() -> None:
         tmp = Path(tmp)
         prep = Path(a.prepared) if a.prepared else tmp / "prep"
         if not a.prepared:
-            from eagle3.data.prepare import prepare
+            from eagle3.prepare import prepare
 
             prepare(model, prep, PrepareConfig(data="sharegpt", limit=a.limit, max_len=a.max_len), progress=False)
         base = Target.open(model).load_model(head=False, device="cpu")

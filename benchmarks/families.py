@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig  # noqa: E402
-from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft  # noqa: E402
-from eagle3.store import open_store  # noqa: E402
-from eagle3.target import Target  # noqa: E402
+from eagle3.model.target import Target  # noqa: E402
+from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft  # noqa: E402
+from eagle3.storage.store import open_store  # noqa: E402
 
 from families import FAMILIES, build, corpus, reference_lm  # noqa: E402
 

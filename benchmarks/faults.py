@@ -103,7 +103,7 @@ def prefect_drills(x: fd.Inputs, work: Path) -> list[dict]:
         os.chdir(cwd)
         for k in ("EAGLE3_FAIL_ONCE", "EAGLE3_KILL_AT", "EAGLE3_KILL_MARKER"):
             os.environ.pop(k, None)
-    from eagle3.manifests import HiddenStates
+    from eagle3.storage.manifests import HiddenStates
 
     m = HiddenStates.read(work / "pe") if e.is_completed() else None
     return [

@@ -10,7 +10,7 @@ of memory or out of time records why, and the next one still runs):
              peak, and vs a bf16 matmul measured in the same run), and the two runs' losses,
              which must agree step by step.
   attention  one TTT attention step at j=6 (k=7 key blocks), 32 query / 8 kv heads x 128, bf16:
-             ours (eagle3.attention) vs flex_attention with a block mask vs SDPA with a
+             ours (eagle3.model.attention) vs flex_attention with a block mask vs SDPA with a
              dense L x 7L mask, at L = 4096 / 8192 / 16384: forward and backward time, and the
              memory each adds (masks included); an OOM is recorded as such. At a small L with
              three documents, the outputs and all input gradients of the three are compared to
@@ -224,7 +224,7 @@ def trainer(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     import torch.distributed as tdist
 
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.model.draft import DraftConfig, Eagle3Draft
     from eagle3.train import distributed as dist
     from eagle3.train.loop import TTT, optimizer_step, row_pass
     from eagle3.train.loss import TargetHead, step_weights
@@ -304,7 +304,7 @@ def attention(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from eagle3.attention import ttt_attention
+    from eagle3.model.attention import ttt_attention
 
     cuda = dev.type == "cuda"
     Hq, Hkv, D = s["attn_heads"]
@@ -444,11 +444,11 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     from transformers import LlamaForCausalLM
 
     from eagle3.config import ExtractConfig, PrepareConfig
-    from eagle3.data.prepare import prepare
     from eagle3.extract import run_extract
     from eagle3.extract.hf import HFBackend
-    from eagle3.store import open_store
-    from eagle3.target import Target
+    from eagle3.model.target import Target
+    from eagle3.prepare import prepare
+    from eagle3.storage.store import open_store
 
     from extract import TimedHF  # benchmarks/extract.py
 
@@ -549,9 +549,9 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     from eagle3.config import EvalConfig
     from eagle3.eval.decode import TargetLM, greedy_generate
     from eagle3.eval.run import evaluate, load_target
-    from eagle3.formats import export, load_draft
-    from eagle3.model import DraftConfig, Eagle3Draft
-    from eagle3.target import prompt_ids
+    from eagle3.model.draft import DraftConfig, Eagle3Draft
+    from eagle3.model.formats import export, load_draft
+    from eagle3.model.target import prompt_ids
 
     cuda = dev.type == "cuda"
     shape, k, max_new = s["eval_target"], s["eval_k"], s["eval_max_new"]

@@ -1,4 +1,4 @@
-"""What keeping freed memory in the heap (`eagle3.heap`) buys each CPU stage, and what it costs in RSS.
+"""What keeping freed memory in the heap (`eagle3.runtime.heap`) buys each CPU stage, and what it costs in RSS.
 
 Two workloads, each run in child processes that alternate glibc's defaults (`EAGLE3_HEAP=release`)
 and `retain` (A B A B ...; the allocator setting is process-wide, so the two cannot share a
@@ -40,7 +40,7 @@ def train_steps(steps: int, warmup: int):
     """Yields tokens per step; the caller times from the first yield after warmup."""
     import torch
 
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.model.draft import DraftConfig, Eagle3Draft
     from eagle3.train.loop import TTT, optimizer_step, row_pass
     from eagle3.train.loss import TargetHead, step_weights
 
@@ -69,9 +69,9 @@ def train_steps(steps: int, warmup: int):
 def extract_steps(steps: int, warmup: int):
     import torch
 
-    from eagle3.capture import padded_batches
     from eagle3.extract.hf import HFBackend
-    from eagle3.target import Target
+    from eagle3.model.capture import padded_batches
+    from eagle3.model.target import Target
 
     if not (ASSETS / "config.json").is_file():
         raise SystemExit(f"no SmolLM2 at {ASSETS}: run `.venv/bin/eagle3 assets smollm2 --out {ASSETS}` first")
@@ -90,7 +90,7 @@ def extract_steps(steps: int, warmup: int):
 def child(workload: str, steps: int, warmup: int) -> dict:
     import torch
 
-    from eagle3.heap import retain_freed_memory
+    from eagle3.runtime.heap import retain_freed_memory
 
     torch.manual_seed(0)
     mode = retain_freed_memory()

@@ -1,6 +1,6 @@
 """Live chain speculative decoding vs plain greedy on this CPU, per linear kernel, and where a round's time goes.
 
-For each kernel set in `--kernels` (stock: torch's F.linear; packed: `eagle3.cpu_linear`, oneDNN
+For each kernel set in `--kernels` (stock: torch's F.linear; packed: `eagle3.decoding.cpu_linear`, oneDNN
 prepacked weights, the eval default) and each k in `--ks`: `eagle3.eval.decode.measure` on the first
 `--limit` MT-Bench questions (both turns, `--max-new-tokens`), which interleaves plain greedy and
 speculative decoding per conversation on the same kernels and checks that they agree (lossless);
@@ -28,12 +28,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eagle3.cpu_linear import packed_linears  # noqa: E402
+from eagle3.decoding.cpu_linear import packed_linears  # noqa: E402
 from eagle3.eval.decode import DraftProposer, TargetLM, measure  # noqa: E402
 from eagle3.eval.prompts import load_prompts  # noqa: E402
 from eagle3.eval.run import cast_draft  # noqa: E402
-from eagle3.formats import load_draft  # noqa: E402
-from eagle3.target import Target, prompt_ids  # noqa: E402
+from eagle3.model.formats import load_draft  # noqa: E402
+from eagle3.model.target import Target, prompt_ids  # noqa: E402
 
 
 def timed(fn, n: int) -> float:

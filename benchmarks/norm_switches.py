@@ -38,8 +38,8 @@ def main() -> None:
     a = ap.parse_args()
     from eagle3.assets import materialize_smollm2
     from eagle3.config import ExtractConfig, PrepareConfig, TrainConfig
-    from eagle3.data.prepare import prepare
     from eagle3.extract import run_extract
+    from eagle3.prepare import prepare
     from eagle3.train.loop import train
     from eagle3.verifier import extract_verifier
 

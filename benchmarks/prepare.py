@@ -24,9 +24,9 @@ sys.path.insert(0, str(REPO))
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import PrepareConfig  # noqa: E402
 from eagle3.data.normalize import conversations  # noqa: E402
-from eagle3.data.prepare import prepare  # noqa: E402
 from eagle3.data.readers import ReadStats, iter_source, resolve_source  # noqa: E402
-from eagle3.target import Target  # noqa: E402
+from eagle3.model.target import Target  # noqa: E402
+from eagle3.prepare import prepare  # noqa: E402
 
 
 def naive(model: Path, limit: int, max_len: int) -> tuple[float, int, int]:

@@ -54,9 +54,9 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     from eagle3.assets import materialize_smollm2
     from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
-    from eagle3.data.prepare import prepare
     from eagle3.eval.run import evaluate
     from eagle3.extract import run_extract
+    from eagle3.prepare import prepare
     from eagle3.regenerate.run import regenerate
     from eagle3.train.loop import train
     from eagle3.verifier import extract_verifier

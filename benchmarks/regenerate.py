@@ -7,7 +7,7 @@ the neighbours; CPU time measures the work), and whether its file is byte-identi
 run's (batch size 1 is single-sequence greedy, exact by construction) -- the honest measure of
 near-tie flips caused by padded batching. `--stock` also runs each batch size through transformers'
 stock decoding (DynamicCache growing by torch.cat, SDPA with repeat_kv, F.linear), the path before
-eagle3/batch_decode.py and eagle3/cpu_linear.py, and through eagle3's cache and attention on stock
+eagle3/decoding/batch_decode.py and eagle3/decoding/cpu_linear.py, and through eagle3's cache and attention on stock
 F.linear (path `eagle3-flinear`: the share of the packed linear layers), side by side. Also prints the
 load average. Last line: one JSON object.
 
@@ -31,10 +31,10 @@ sys.path.insert(0, str(REPO))
 
 from eagle3.assets import materialize_smollm2  # noqa: E402
 from eagle3.config import RegenConfig  # noqa: E402
-from eagle3.generate import HFGenerator  # noqa: E402
+from eagle3.decoding.generate import HFGenerator  # noqa: E402
+from eagle3.model.target import Target  # noqa: E402
 from eagle3.regenerate.hf import load_hf  # noqa: E402
 from eagle3.regenerate.run import OUT_FILE, regenerate  # noqa: E402
-from eagle3.target import Target  # noqa: E402
 
 
 class FLinearGenerator(HFGenerator):

@@ -38,13 +38,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eagle3.chains import proposals, walk  # noqa: E402
+from eagle3.decoding.chains import proposals, walk  # noqa: E402
 from eagle3.eval.decode import DraftProposer, Stats, TargetLM, speculative_generate  # noqa: E402
 from eagle3.eval.prompts import load_prompts  # noqa: E402
 from eagle3.eval.replay import aux_states, continuations, replay  # noqa: E402
 from eagle3.eval.run import cast_draft  # noqa: E402
-from eagle3.formats import load_draft  # noqa: E402
-from eagle3.target import Target, default_aux_ids  # noqa: E402
+from eagle3.model.formats import load_draft  # noqa: E402
+from eagle3.model.target import Target, default_aux_ids  # noqa: E402
 
 
 def peak_rss_gib() -> float:

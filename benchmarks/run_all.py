@@ -135,7 +135,7 @@ def main() -> None:
     order = [n for n in BENCHES if n in sections or n in kept] + [n for n in kept if n not in BENCHES]
     body = [sections.get(n) or kept[n] for n in order]
     sys.path.insert(0, str(REPO))
-    from eagle3.atomic import atomic_write_text
+    from eagle3.storage.atomic import atomic_write_text
 
     atomic_write_text(Path(a.out), head + "\n" + "\n".join(body))
     print(f"wrote {a.out}")

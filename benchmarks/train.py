@@ -34,8 +34,8 @@ def child(vd: int, k: int, pack: int, steps: int, warmup: int, untied: bool) -> 
     import torch
 
     sys.path.insert(0, str(REPO))
-    from eagle3.heap import retain_freed_memory
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.model.draft import DraftConfig, Eagle3Draft
+    from eagle3.runtime.heap import retain_freed_memory
     from eagle3.train.loop import TTT, optimizer_step, row_pass
     from eagle3.train.loss import TargetHead, step_weights
 

@@ -106,7 +106,7 @@ def child(a) -> None:
     """Run one implementation once; print one JSON line with its time and peak extra RSS."""
     import torch
 
-    from eagle3.attention import ttt_attention
+    from eagle3.model.attention import ttt_attention
 
     torch.manual_seed(0)
     mask = _dense_mask(a.L, a.j) if a.impl != "ours" else None
@@ -152,7 +152,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.impl:
         return child(a)
-    from eagle3.attention import auto_block
+    from eagle3.model.attention import auto_block
 
     results: dict[int, dict[str, dict | None]] = {}
     reasons: dict[str, str] = {}

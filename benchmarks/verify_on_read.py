@@ -37,14 +37,14 @@ sys.path.insert(0, str(REPO))
 RANK = r"""
 import json, os, random, sys, time
 from pathlib import Path
-import eagle3.atomic as atomic
-import eagle3.store as store
+import eagle3.storage.hashing as hashing
+import eagle3.storage.store as store
 hashed = [0]
-real = atomic.sha256_file
+real = hashing.sha256_file
 def counting(p):
     hashed[0] += os.path.getsize(p)
     return real(p)
-atomic.sha256_file = counting
+hashing.sha256_file = counting
 if sys.argv[3] == "before":  # the code before stamps: shard_problem hashed with sha256_file in every process
     store.sha256_file_cached = lambda p, rehash=False: counting(p)
 go, rank = Path(sys.argv[2]), int(sys.argv[4])
@@ -69,8 +69,8 @@ def build_store(root: Path, gib: float) -> Path:
 
     from eagle3.assets import materialize_smollm2
     from eagle3.config import PrepareConfig
-    from eagle3.data.prepare import prepare
-    from eagle3.store import bytes_per_token
+    from eagle3.prepare import prepare
+    from eagle3.storage.store import bytes_per_token
 
     tok = AutoTokenizer.from_pretrained(materialize_smollm2(REPO / "assets" / "smollm2"))
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keep", default=None, help="build (or reuse) the store here instead of a temp dir")
     a = ap.parse_args()
-    from eagle3.manifests import HiddenStates
+    from eagle3.storage.manifests import HiddenStates
 
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="eagle3-verify-bench-"))
     hid = root / "hid"

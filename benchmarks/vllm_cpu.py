@@ -23,9 +23,9 @@ from pathlib import Path
 
 from eagle3.assets import materialize_smollm2
 from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig
-from eagle3.data.prepare import prepare
 from eagle3.extract import run_extract
-from eagle3.vllm_engine import import_vllm, shutdown, start_engine
+from eagle3.prepare import prepare
+from eagle3.runtime.vllm_engine import import_vllm, shutdown, start_engine
 
 REPO = Path(__file__).resolve().parents[1]
 

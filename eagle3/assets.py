@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3.atomic import atomic_dir, atomic_write_json, sha256_file
+from eagle3.storage.atomic import atomic_dir, atomic_write_json
+from eagle3.storage.hashing import sha256_file
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = "eagle3_asset.json"

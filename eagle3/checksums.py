@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.atomic import sha256_file_cached
+from eagle3.storage.hashing import sha256_file_cached
 
 
 @dataclass

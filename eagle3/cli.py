@@ -12,7 +12,7 @@ import os
 import sys
 
 from eagle3 import config as C
-from eagle3.lock import RunLock
+from eagle3.storage.lock import RunLock
 from eagle3.train import __main__ as T
 
 
@@ -32,16 +32,16 @@ def _assets(a) -> None:
 
 
 def _prepare(a) -> None:
-    from eagle3.data.prepare import prepare
+    from eagle3.prepare import prepare
 
     m = prepare(a.model, a.out, C.from_flags(C.PrepareConfig, a), trust_remote_code=a.trust_remote_code)
     _dump(a.out, m, "records_read", "records_kept", "skipped", "num_tokens", "num_trainable_tokens",
           "unreadable_tail_bytes", draft_vocab=m.vocab_map.draft_vocab_size,
           vocab_coverage=round(m.vocab_map.coverage, 6))
     if a.show:
-        from eagle3.data.shards import read_split
         from eagle3.data.template import show
-        from eagle3.target import Target
+        from eagle3.model.target import Target
+        from eagle3.storage.shards import read_split
 
         tok = Target.open(a.model, a.trust_remote_code).tokenizer()
         for row in read_split(a.out, "train").slice(0, a.show).to_pylist():

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from eagle3.target import check_aux_ids
+from eagle3.model.target import check_aux_ids
 
 DEFAULT_DRAFT_VOCAB = 32000
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import DEFAULT_DRAFT_VOCAB, PipelineConfig, TargetPlan
-from eagle3.heap import proc_bytes
-from eagle3.target import MLA_DRAFT_HEAD_DIM, Target
+from eagle3.model.target import MLA_DRAFT_HEAD_DIM, Target
+from eagle3.runtime.heap import proc_bytes
 
 GIB = 1 << 30
 SHAREGPT_RECORDS = 17_671     # complete records of the bundled (truncated) file
@@ -113,7 +113,7 @@ def target_plan(cfg: PipelineConfig) -> TargetPlan:
 
 def expected_tokens(cfg: PipelineConfig) -> int:
     """Tokens the prepare stage writes: from its manifest if it ran, else estimated from the source."""
-    from eagle3.manifests import PreparedData
+    from eagle3.storage.manifests import PreparedData
 
     done = cfg.stage_dir("prepare")
     if PreparedData.exists(done):
@@ -183,8 +183,8 @@ def human(b: float) -> str:
 def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | None = None,
          max_hours: float = 0.0) -> Plan:
     """Estimate every stage not yet finished; list the problems (does not raise)."""
-    from eagle3.manifests import HiddenStates, PreparedData, TrainedDraft, VerifierWeights
-    from eagle3.store import bytes_per_token
+    from eagle3.storage.manifests import HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+    from eagle3.storage.store import bytes_per_token
 
     t = target_plan(cfg)
     tokens = expected_tokens(cfg)
@@ -266,7 +266,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
 
 def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, tr_s: float) -> dict[str, float]:
     """Wall time of each stage not yet finished, in pipeline order (extract and train computed by `plan`)."""
-    from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+    from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 
     size = (t.active_parameters or t.num_parameters) / SMOLLM2_PARAMS  # CPU rates scale with the target's size
     vd = cfg.prepare.draft_vocab or min(DEFAULT_DRAFT_VOCAB, t.vocab_size)

@@ -7,7 +7,7 @@ import os
 import sys
 
 from eagle3 import cli
-from eagle3.vllm_engine import serve_command
+from eagle3.runtime.vllm_engine import serve_command
 
 
 def _run(a) -> None:

@@ -10,10 +10,10 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
-from eagle3.atomic import atomic_write_json
 from eagle3.config import FORM, PipelineConfig
 from eagle3.data.readers import resolve_source, source_files
-from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
+from eagle3.storage.atomic import atomic_write_json
+from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
 from flows.pipeline import FORM_DEFAULT, run_stages
 
 

@@ -11,8 +11,8 @@ from prefect.context import FlowRunContext
 from pydantic import Field
 
 from eagle3.config import PipelineConfig
-from eagle3.lock import RunLock
-from eagle3.manifests import EvalReport
+from eagle3.storage.lock import RunLock
+from eagle3.storage.manifests import EvalReport
 from flows.stages import run_stage
 from tasks.evaluate import results_table
 from tasks.extract import stats_table

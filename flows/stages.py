@@ -29,9 +29,9 @@ import tasks.prepare as prepare_stage
 import tasks.train as train_stage
 import tasks.verifier as verifier_stage
 from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, TrainConfig
-from eagle3.heap import PeakRSS
-from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 from eagle3.preflight import hms
+from eagle3.runtime.heap import PeakRSS
+from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 from tasks.train import UserInputError
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CachePolicy
 
-from eagle3.atomic import sha256_json
+from eagle3.storage.hashing import sha256_json
 
 
 @dataclass

@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.config import EvalConfig
 from eagle3.eval.run import evaluate, inputs
-from eagle3.manifests import EvalReport
+from eagle3.storage.manifests import EvalReport
 from tasks._cache import stage_task
 from tasks._gpus import hold_gpus
 

@@ -10,7 +10,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
 from eagle3.extract.run import inputs
-from eagle3.manifests import HiddenStates
+from eagle3.storage.manifests import HiddenStates
 from tasks._cache import stage_task
 from tasks._faults import fail_once
 from tasks._gpus import hold_gpus

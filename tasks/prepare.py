@@ -7,8 +7,8 @@ from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from eagle3.config import PrepareConfig
-from eagle3.data.prepare import inputs, prepare
-from eagle3.manifests import PreparedData
+from eagle3.prepare import inputs, prepare
+from eagle3.storage.manifests import PreparedData
 from tasks._cache import stage_task
 
 

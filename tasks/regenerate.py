@@ -14,8 +14,8 @@ from prefect.artifacts import (
 )
 
 from eagle3.config import PipelineConfig, PrepareConfig, RegenConfig
-from eagle3.manifests import RegeneratedData
 from eagle3.regenerate.run import FORMAT, inputs, regenerate
+from eagle3.storage.manifests import RegeneratedData
 from tasks._cache import stage_task
 
 

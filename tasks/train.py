@@ -16,7 +16,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.config import TrainConfig
-from eagle3.manifests import HiddenStates, TrainedDraft
+from eagle3.storage.manifests import HiddenStates, TrainedDraft
 from eagle3.train.__main__ import command
 from eagle3.train.loop import inputs
 from tasks._cache import stage_task

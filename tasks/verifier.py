@@ -5,7 +5,7 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from eagle3.manifests import VerifierWeights
+from eagle3.storage.manifests import VerifierWeights
 from eagle3.verifier import extract_verifier, inputs
 from tasks._cache import stage_task
 

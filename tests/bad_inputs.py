@@ -45,8 +45,8 @@ class Base:
 
 def build_base(root: Path, model: Path) -> Base:
     from eagle3.config import ExtractConfig, PrepareConfig
-    from eagle3.data.prepare import prepare
     from eagle3.extract import run_extract
+    from eagle3.prepare import prepare
     from eagle3.verifier import extract_verifier
 
     src = jsonl(root / "good.jsonl", GOOD)
@@ -133,8 +133,8 @@ def prep_variant(w: Path, b: Base, edit: Callable[[Path], None]) -> Path:
 
 
 def d2t_mismatch(w: Path, b: Base) -> list[str]:
-    from eagle3.atomic import sha256_file
-    from eagle3.manifests import PreparedData
+    from eagle3.storage.hashing import sha256_file
+    from eagle3.storage.manifests import PreparedData
 
     def edit(p: Path) -> None:
         t = load_file(str(p / "vocab_map.safetensors"))
@@ -189,7 +189,7 @@ class _RunsCode:
 
 def pickled_checkpoint(w: Path, b: Base) -> list[str]:
     """--out holds a checkpoint whose state.pt carries a pickled object (meta.json's checksum fixed to match)."""
-    from eagle3.atomic import sha256_file
+    from eagle3.storage.hashing import sha256_file
     from eagle3.train import checkpoint as ckpt
 
     d = ckpt.save(w / "out", "step-00000001", {"fc.weight": torch.zeros(2, 2)}, {"pos": {}},
@@ -210,7 +210,7 @@ def foreign_init(w: Path, b: Base) -> list[str]:
 
 
 def other_target_verifier(w: Path, b: Base) -> list[str]:
-    from eagle3.manifests import VerifierWeights
+    from eagle3.storage.manifests import VerifierWeights
 
     v = w / "ver"
     shutil.copytree(b.ver, v)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.atomic import sha256_file
-from eagle3.manifests import PreparedData, ShardInfo
+from eagle3.storage.hashing import sha256_file
+from eagle3.storage.manifests import PreparedData, ShardInfo
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was a sunny day in the park.",

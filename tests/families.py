@@ -365,7 +365,7 @@ def build(family: str, out: str | Path, texts: list[str] | None = None) -> Path:
 
 
 def reference_lm(model_dir: str | Path):
-    """The family's causal LM loaded with transformers alone, independently of eagle3.target: the text
+    """The family's causal LM loaded with transformers alone, independently of eagle3.model.target: the text
     config mapped by hand to transformers' class, the wrapper's prefix mapped by a regex. fp32, eval mode."""
     from transformers import (
         DeepseekV3Config,

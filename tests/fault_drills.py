@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.atomic import sha256_file
+from eagle3.storage.hashing import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 CODE = [REPO]  # where stage processes import eagle3 from (see snapshot_code)
@@ -50,7 +50,7 @@ class Inputs:
 def build_inputs(root: Path, model: Path, conversations: int = 30) -> Inputs:
     """Prepare `conversations` real ShareGPT conversations, then the uninterrupted extract and train runs."""
     from eagle3.config import PrepareConfig
-    from eagle3.data.prepare import prepare
+    from eagle3.prepare import prepare
     from eagle3.verifier import extract_verifier
 
     x = Inputs(model, root / "prep", root / "ver", root / "hid", root / "train")

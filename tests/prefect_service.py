@@ -202,7 +202,7 @@ def overlaps(intervals: list[Interval]) -> list[tuple[Interval, Interval]]:
 def checksums(run_dir: str | Path) -> dict[str, object]:
     """Every stage's content as its manifest records it: shard sha256s, weights, the eval figures that do
     not depend on the machine's speed. Two runs with equal checksums produced the same outputs."""
-    from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+    from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 
     d = Path(run_dir)
     prep = PreparedData.read(d / "prepare")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eagle3.attention import (
+from eagle3.model.attention import (
     SCRATCH_ELEMENTS,
     auto_block,
     doc_ids_from_cu_seqlens,

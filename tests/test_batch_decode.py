@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eagle3.batch_decode import ATTN, BufferLayer, buffer_cache, gqa_decoding
-from eagle3.target import Target
+from eagle3.decoding.batch_decode import ATTN, BufferLayer, buffer_cache, gqa_decoding
+from eagle3.model.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

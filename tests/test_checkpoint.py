@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.atomic import sha256_file
+from eagle3.storage.hashing import sha256_file
 from eagle3.train import checkpoint as ckpt
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3 import cpu_linear
-from eagle3.cpu_linear import PackedLinear, packed_linears
+from eagle3.decoding import cpu_linear
+from eagle3.decoding.cpu_linear import PackedLinear, packed_linears
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN linear ops")]

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eagle3.atomic import sha256_file
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
+from eagle3.storage.hashing import sha256_file
 
 import prefect_service as ps
 from prefect_service import (
@@ -137,7 +137,7 @@ def tiny(tmp_path, tiny_llama_dir):
 
 
 def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
-    from eagle3.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
+    from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
 
     cfg, data = tiny
     t0 = time.time()
@@ -253,7 +253,7 @@ def test_deployed_run_with_the_vllm_backend_on_the_gpu_pool(service, client, fam
     """As deployed, with `backend: vllm` for extraction: the stage hops to the gpu pool's process worker and
     runs on the real vLLM engine there (the CPU build here), on the tiny Qwen3 checkpoint. (Eval and
     regenerate on the engine run in tests/test_vllm_pipeline.py; each engine costs ~45 s to start here.)"""
-    from eagle3.manifests import EvalReport, HiddenStates
+    from eagle3.storage.manifests import EvalReport, HiddenStates
 
     service.setup(8)  # the load drill above left the `gpus` limit at 1; the gpu pool's deployments take 8
     service.marker.touch()  # the gpu worker's injected extraction failure is spent (run A retries it)
@@ -333,8 +333,8 @@ def load_drill(service, client, cfg: PipelineConfig, night_params: dict, night_d
 
 def test_nightly_sources_reuse_and_promoted_draft(tmp_path):
     """The nightly flow's plumbing, without a server: glob sources, which dirs it reuses, which draft is promoted."""
-    from eagle3.atomic import atomic_write_json
-    from eagle3.manifests import EvalReport, HiddenStates, TrainedDraft
+    from eagle3.storage.atomic import atomic_write_json
+    from eagle3.storage.manifests import EvalReport, HiddenStates, TrainedDraft
     from flows.nightly import NightlyConfig, collect, earlier_extracts, promoted
 
     inbox = tmp_path / "inbox"

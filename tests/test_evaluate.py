@@ -10,9 +10,9 @@ from safetensors.torch import save_file
 
 from eagle3.eval.decode import DraftProposer, Stats, TargetLM, measure, run_conversation, speculative_generate
 from eagle3.eval.prompts import Conversation, load_prompts, read_jsonl_prompts
-from eagle3.formats import load_draft
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.target import prompt_ids
+from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.model.formats import load_draft
+from eagle3.model.target import prompt_ids
 
 K = 3
 MAX_NEW = 24
@@ -32,7 +32,7 @@ def target(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def eos(tiny_llama_dir):
-    from eagle3.target import Target
+    from eagle3.model.target import Target
 
     return Target.open(tiny_llama_dir).stop_ids()
 
@@ -207,7 +207,7 @@ def test_packed_cpu_kernels_decode_as_stock(target, tiny_llama_dir, convs, eos):
             == [t["text"] for it in stock["items"] for t in it["turns"]])
     for key in ("acceptance_length", "num_drafts", "num_accepted_tokens_per_pos"):
         assert packed[key] == stock[key]
-    from eagle3.cpu_linear import PackedLinear
+    from eagle3.decoding.cpu_linear import PackedLinear
 
     assert not any(isinstance(m, PackedLinear) for net in (model, d) for m in net.modules())  # restored
 
@@ -330,7 +330,7 @@ def test_prepared_val_split_prompts(tiny_llama_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from eagle3.config import PrepareConfig
-    from eagle3.data.prepare import prepare
+    from eagle3.prepare import prepare
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(
@@ -350,7 +350,7 @@ def test_prepared_val_split_prompts(tiny_llama_dir, tmp_path):
 # ---------------------------------------------------------------- CLI, report, manifest
 def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
     from eagle3.cli import main
-    from eagle3.manifests import EvalReport
+    from eagle3.storage.manifests import EvalReport
 
     model, _ = target
     d = random_draft(tiny_llama_dir, seed=4)
@@ -380,8 +380,8 @@ def test_cli_eval_writes_report_png_manifest(target, tiny_llama_dir, tmp_path):
 
 
 def test_loads_what_our_exporter_writes(target, tiny_llama_dir, tmp_path):
-    """The trainer's export (eagle3.formats.export), both formats, loads back bit for bit."""
-    from eagle3.formats import export
+    """The trainer's export (eagle3.model.formats.export), both formats, loads back bit for bit."""
+    from eagle3.model.formats import export
 
     model, _ = target
     emb = model.get_input_embeddings().weight

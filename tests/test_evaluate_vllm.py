@@ -80,8 +80,8 @@ def fake_vllm(tiny_llama_dir):
     unregisters the old metrics, so the registry holds the newest engine's counters)."""
 
     from eagle3.eval.decode import DraftProposer, Stats, TargetLM, greedy_generate, speculative_generate
-    from eagle3.formats import load_draft
-    from eagle3.target import Target
+    from eagle3.model.formats import load_draft
+    from eagle3.model.target import Target
 
     registry: dict[str, object] = {}
 
@@ -134,7 +134,7 @@ def fake_vllm(tiny_llama_dir):
 
 def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypatch):
     from eagle3.eval.run import evaluate
-    from eagle3.manifests import EvalReport
+    from eagle3.storage.manifests import EvalReport
 
     from test_evaluate import random_draft, write_native
 

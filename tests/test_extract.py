@@ -7,14 +7,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3.atomic import sha256_file
-from eagle3.capture import batches_by_length
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
 from eagle3.extract.hf import HFBackend
-from eagle3.manifests import HiddenStates
-from eagle3.store import FP8_MAX, bytes_per_token, dequantize_fp8, open_store, quantize_fp8, shard_meta
-from eagle3.target import Target, check_aux_ids, default_aux_ids
+from eagle3.model.capture import batches_by_length
+from eagle3.model.target import Target, check_aux_ids, default_aux_ids
+from eagle3.storage.hashing import sha256_file
+from eagle3.storage.manifests import HiddenStates
+from eagle3.storage.store import FP8_MAX, bytes_per_token, dequantize_fp8, open_store, quantize_fp8, shard_meta
 
 from extract_helpers import chat_samples, random_samples, write_prepared
 
@@ -47,7 +47,7 @@ def test_layer_ids_follow_vllm_convention(smollm2_dir, tiny_llama_dir):
 def test_aux_ids_must_be_strictly_increasing(aux):
     # vLLM feeds fc the aux states in layer order whatever order a config lists; an unsorted
     # list would silently swap fc's input blocks between training and serving.
-    from eagle3.model import DraftConfig
+    from eagle3.model.draft import DraftConfig
 
     with pytest.raises(ValueError, match="strictly increasing"):
         check_aux_ids(aux, 30)

@@ -10,10 +10,10 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from eagle3.atomic import sha256_file
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
-from eagle3.manifests import HiddenStates
+from eagle3.storage.hashing import sha256_file
+from eagle3.storage.manifests import HiddenStates
 
 from extract_helpers import chat_samples, write_prepared
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
-from eagle3.manifests import HiddenStates
+from eagle3.storage.manifests import HiddenStates
 
 from extract_helpers import random_samples, write_prepared
 

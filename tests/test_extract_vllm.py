@@ -7,7 +7,7 @@ import torch
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
 from eagle3.extract.vllm import llm_kwargs
-from eagle3.store import open_store
+from eagle3.storage.store import open_store
 
 import fake_vllm
 from extract_helpers import random_samples, write_prepared

@@ -3,7 +3,7 @@
 Llama-3.1, Qwen3 (padded embedding, thinking template) and Kimi-K2.5 (VLM wrapper around a
 DeepSeek-V3 MLA + MoE text model, slow custom tiktoken tokenizer through auto_map) go through
 `eagle3 run`: prepare -> extract (hf) -> verifier -> train -> eval, on real ShareGPT and MT-Bench,
-on CPU. Checked against references that do not go through eagle3.target: golden masks, stored
+on CPU. Checked against references that do not go through eagle3.model.target: golden masks, stored
 aux/final states against transformers' own forward at vLLM's layer convention, verifier tensors
 against the checkpoint's, an export sized by the embedding rows that reloads bitwise, a lossless
 evaluation and an oracle draft's tau of exactly k+1.
@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
-from eagle3.target import Target
+from eagle3.model.target import Target
 
 from families import FAMILIES, reference_lm
 
@@ -147,9 +147,9 @@ def run_flow(cfg: PipelineConfig) -> dict:
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_family_end_to_end(family_dirs, fam, tmp_path, request):
     from eagle3.eval.decode import measure
-    from eagle3.formats import WEIGHTS, load_draft
-    from eagle3.manifests import EvalReport, HiddenStates, PreparedData
-    from eagle3.store import open_store
+    from eagle3.model.formats import WEIGHTS, load_draft
+    from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData
+    from eagle3.storage.store import open_store
     from eagle3.verifier import OUT_FILE
 
     from test_evaluate import Oracle

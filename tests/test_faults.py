@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-import eagle3.faults  # noqa: F401  parsed now, before any test sets EAGLE3_KILL_AT: this process never dies
+import eagle3.storage.faults  # noqa: F401  parsed now, before any test sets EAGLE3_KILL_AT: this process never dies
 
 import fault_drills
 from fault_drills import (
@@ -40,8 +40,8 @@ def inputs(tiny_llama_dir, tmp_path_factory):
 
 def test_malformed_kill_spec_is_refused():
     with pytest.raises(ValueError, match="EAGLE3_KILL_AT"):
-        eagle3.faults.parse("train.stepp:3")
-    assert eagle3.faults.parse("file.written@shards/:3") == ("file.written", "shards/", 3)
+        eagle3.storage.faults.parse("train.stepp:3")
+    assert eagle3.storage.faults.parse("file.written@shards/:3") == ("file.written", "shards/", 3)
 
 
 @pytest.mark.parametrize("stage,spec", [

@@ -59,7 +59,7 @@ def test_all_stages_cached_then_edited_input_reruns(tiny_cfg, prefect_env):
     # eval is keyed on the exported weights: if the dropped record was a validation one, training
     # saw the same rows, wrote the same draft, and eval is rightly served from the cache.
     assert states["eval"] in ("Completed", "Cached")
-    from eagle3.manifests import PreparedData
+    from eagle3.storage.manifests import PreparedData
 
     assert PreparedData.read(cfg.stage_dir("prepare")).records_read == 11
     # A cached result whose output dir was deleted reruns instead of pointing at nothing.

@@ -1,4 +1,4 @@
-"""eagle3.heap: freed blocks stay in the heap (no page faults on reuse) unless EAGLE3_HEAP=release.
+"""eagle3.runtime.heap: freed blocks stay in the heap (no page faults on reuse) unless EAGLE3_HEAP=release.
 
 The allocator setting is process-wide, so each case runs in its own interpreter."""
 from __future__ import annotations
@@ -16,11 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 # A "step" holds six tensors of 8-64 MiB at once (a training step's activations), touches and frees
 # them, then calls release() as the trainer does after each optimizer step. Reported: the minor page
 # faults of steps 6-10 (10 release() calls, before the periodic trim). One size allocated over and
-# over is a worse case for the retained heap (see eagle3.heap); real steps look like this.
+# over is a worse case for the retained heap (see eagle3.runtime.heap); real steps look like this.
 SIZES_MB = (24, 32, 8, 40, 16, 64)
 PROBE = """
 import json, resource, torch
-from eagle3 import heap
+from eagle3.runtime import heap
 state = heap.retain_freed_memory()
 again = heap.retain_freed_memory()
 def step():
@@ -60,7 +60,7 @@ def test_retained_blocks_are_reused_without_page_faults():
 
 PEAK = """
 import json, subprocess, sys, torch
-from eagle3.heap import PeakRSS, proc_bytes
+from eagle3.runtime.heap import PeakRSS, proc_bytes
 def touch(mb):  # mb MiB made resident, then freed (a block this big is mmapped: its pages go back)
     x = torch.empty(mb << 18)
     x.fill_(1.0)

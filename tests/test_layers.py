@@ -1,15 +1,26 @@
-"""The layers hold: the library never imports prefect or the orchestration, no stage imports another
-stage, and the import graph has no cycle (every module-level and function-level import counts)."""
+"""The layers hold: the library never imports prefect or the orchestration; its groups import only
+groups below them; no stage imports another stage; every module belongs to a group; and the import
+graph has no cycle (every module-level and function-level import counts)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Stage packages/modules: each may import the shared modules below it (eagle3.data's readers and
-# template among them), never another stage.
-STAGES = {"eagle3.data.prepare", "eagle3.extract", "eagle3.verifier", "eagle3.train", "eagle3.eval",
-          "eagle3.regenerate"}
+# The library's groups, lowest first: a module imports its own group or a lower one, never a higher.
+GROUPS = [
+    ("storage", {"eagle3", "eagle3.storage", "eagle3.runtime"}),  # files, hashes, locks, manifests; host runtime
+    ("model", {"eagle3.model"}),  # the target, the draft's forward pass, head formats, capture
+    ("config", {"eagle3.config"}),  # the stages' typed configs
+    ("decoding", {"eagle3.decoding"}),  # greedy decoding, KV cache, CPU linears, chains
+    ("data", {"eagle3.data"}),  # conversation readers, normalization, template + loss mask, vocab map
+    ("planning", {"eagle3.preflight"}),  # sizes and times of a run before it starts
+    ("stages", {"eagle3.regenerate", "eagle3.prepare", "eagle3.extract", "eagle3.verifier", "eagle3.train",
+                "eagle3.eval"}),
+    ("commands", {"eagle3.cli", "eagle3.checksums", "eagle3.assets"}),  # what the user runs
+]
+# Stage packages: each may import the groups below it, never another stage.
+STAGES = GROUPS[[g for g, _ in GROUPS].index("stages")][1]
 
 
 def module_name(path: Path) -> str:
@@ -37,6 +48,30 @@ def imports(path: Path) -> set[str]:
 def graph() -> dict[str, set[str]]:
     mods = {module_name(p): p for d in ("eagle3", "tasks", "flows") for p in (REPO / d).rglob("*.py")}
     return {m: {i for i in imports(p) if i in mods} for m, p in mods.items()}
+
+
+def owner(mod: str, prefixes) -> str | None:
+    """The longest prefix in `prefixes` that `mod` is or lies under ("eagle3" only for the package itself)."""
+    hits = [p for p in prefixes if mod == p or (p != "eagle3" and mod.startswith(p + "."))]
+    return max(hits, key=len) if hits else None
+
+
+def group_of(mod: str) -> int | None:
+    return next((i for i, (_, prefixes) in enumerate(GROUPS) if owner(mod, prefixes)), None)
+
+
+def test_every_library_module_has_a_group():
+    orphans = sorted(m for m in graph() if m.startswith("eagle3") and group_of(m) is None)
+    assert not orphans, f"modules outside every group of GROUPS: {orphans}"
+
+
+def test_groups_import_only_groups_below():
+    g = graph()
+    bad = sorted((m, GROUPS[group_of(m)][0], i, GROUPS[group_of(i)][0]) for m, deps in g.items()
+                 if m.startswith("eagle3") for i in deps
+                 if i.startswith("eagle3") and group_of(i) is not None and group_of(m) is not None
+                 and group_of(i) > group_of(m))
+    assert not bad, "upward imports (module, its group, imported, that group): " + repr(bad)
 
 
 def stage_of(mod: str) -> str | None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.lock import LockedError, RunLock
+from eagle3.storage.lock import LockedError, RunLock
 
 REPO = Path(__file__).resolve().parents[1]
-HOLD = ("import sys, time; from eagle3.lock import RunLock\n"
+HOLD = ("import sys, time; from eagle3.storage.lock import RunLock\n"
         "with RunLock(sys.argv[1]):\n print('held', flush=True); time.sleep(600)")
 
 
@@ -57,7 +57,7 @@ def test_cli_stage_on_a_locked_dir_exits_at_once(tmp_path, smollm2_dir):
 
 def test_verify_names_corrupt_truncated_and_missing_files(tmp_path, smollm2_dir):
     from eagle3.config import PrepareConfig
-    from eagle3.data.prepare import prepare
+    from eagle3.prepare import prepare
 
     run = tmp_path / "run"
     prepare(smollm2_dir, run / "prepare", PrepareConfig(data="sharegpt", limit=30, max_len=128, shard_samples=8,
@@ -81,7 +81,7 @@ def test_verify_names_corrupt_truncated_and_missing_files(tmp_path, smollm2_dir)
 HASH_ONCE = """
 import sys, time
 from pathlib import Path
-import eagle3.atomic as a
+import eagle3.storage.atomic as a
 real, n = a.sha256_file, []
 a.sha256_file = lambda p: n.append(p) or real(p)
 while not Path(sys.argv[2]).exists():
@@ -94,7 +94,7 @@ print(len(n), d)
 def test_sha256_stamp_hashes_once_per_host_across_concurrent_processes(tmp_path, monkeypatch):
     """Four processes (a trainer's ranks) verify one file at the same moment: one reads it, the others
     wait for its stamp; a later process reads nothing."""
-    from eagle3.atomic import sha256_file
+    from eagle3.storage.hashing import sha256_file
 
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
     f = tmp_path / "shard.bin"
@@ -113,7 +113,7 @@ def test_sha256_stamp_hashes_once_per_host_across_concurrent_processes(tmp_path,
 
 
 def test_sha256_stamp_follows_every_change_of_the_file(tmp_path, monkeypatch):
-    import eagle3.atomic as a
+    import eagle3.storage.atomic as a
 
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
     calls: list = []
@@ -136,10 +136,10 @@ def test_sha256_stamp_follows_every_change_of_the_file(tmp_path, monkeypatch):
 
 
 def test_verify_reads_only_what_changed_unless_deep(tmp_path, smollm2_dir, monkeypatch):
-    import eagle3.atomic as a
+    import eagle3.storage.atomic as a
     from eagle3.checksums import verify_tree
     from eagle3.config import PrepareConfig
-    from eagle3.data.prepare import prepare
+    from eagle3.prepare import prepare
 
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
     run = tmp_path / "run"

@@ -110,8 +110,8 @@ def test_target_head_matches_manual_norm_and_lm_head():
 def test_draft_learns_a_fixed_target_end_to_end():
     # model + blockwise attention + loss in one graph: a few Adam steps on one packed batch must
     # cut the loss and lift top-1 agreement (a broken gradient anywhere stalls this)
-    from eagle3.attention import doc_ids_from_position_ids
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.model.attention import doc_ids_from_position_ids
+    from eagle3.model.draft import DraftConfig, Eagle3Draft
 
     torch.manual_seed(0)
     c = DraftConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.model import DraftConfig, Eagle3Draft, KVCache
+from eagle3.model.draft import DraftConfig, Eagle3Draft, KVCache
 
 VLLM_NAMES = {
     "fc.weight",
@@ -202,7 +202,7 @@ def test_switch_semantics():
 def test_memory_lean_norm_and_mlp_equal_plain_autograd(dtype):
     # RMSNorm and silu(gate) * up keep less for backward than autograd would; their values and
     # gradients must be autograd's (fp32: to rounding; bf16: the dtype chain of HF/vLLM's norm).
-    from eagle3.model import RMSNorm, _SiluMul
+    from eagle3.model.draft import RMSNorm, _SiluMul
 
     torch.manual_seed(0)
     x = (torch.randn(3, 7, 16) * 3).to(dtype).requires_grad_()

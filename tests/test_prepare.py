@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from eagle3.config import PrepareConfig
-from eagle3.data.prepare import prepare
-from eagle3.data.shards import read_split
 from eagle3.data.vocab import load_maps
-from eagle3.manifests import PreparedData
-from eagle3.target import Target
+from eagle3.model.target import Target
+from eagle3.prepare import prepare
+from eagle3.storage.manifests import PreparedData
+from eagle3.storage.shards import read_split
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from eagle3.config import PrepareConfig, RegenConfig
-from eagle3.generate import Gen
+from eagle3.decoding.generate import Gen
+from eagle3.model.target import Target, prompt_ids
 from eagle3.regenerate.hf import load_hf
 from eagle3.regenerate.run import OUT_FILE, PREVIOUS, PROGRESS, clean_answer, read_records, regenerate
-from eagle3.target import Target, prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -309,7 +309,7 @@ def test_sampling_is_seeded_per_turn_not_per_batch(tmp_path, tiny_llama_dir):
 
 def test_prepare_reads_the_output_and_cli(tmp_path, tiny_llama_dir, capsys):
     from eagle3.cli import main
-    from eagle3.data.prepare import prepare
+    from eagle3.prepare import prepare
 
     src = write_source(tmp_path / "src.jsonl", 5)
     out = tmp_path / "out"
@@ -326,7 +326,7 @@ def test_prepare_reads_the_output_and_cli(tmp_path, tiny_llama_dir, capsys):
 
 
 def test_batches_respect_rows_and_padded_tokens():
-    from eagle3.generate import HFGenerator
+    from eagle3.decoding.generate import HFGenerator
 
     g = HFGenerator.__new__(HFGenerator)
     g.cfg = RegenConfig(batch_size=3, batch_tokens=300)

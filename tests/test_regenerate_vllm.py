@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3.config import RegenConfig
-from eagle3.generate import Gen
+from eagle3.decoding.generate import Gen
 from eagle3.regenerate.run import read_records, regenerate
 from tests import fake_vllm_generate as fake
 from tests.test_regenerate import check_equal_to_target, one_thread, write_source  # noqa: F401 (autouse fixture)
@@ -67,7 +67,7 @@ def test_stop_tokens_kept_or_not_by_vllm_give_the_same_file(tmp_path, tiny_llama
     """A stop id the model really emits (set in generation_config): vLLM may return it or not; hf never does."""
     import shutil
 
-    from eagle3.target import Target
+    from eagle3.model.target import Target
 
     src = write_source(tmp_path / "src.jsonl", 3)
     regenerate(tiny_llama_dir, str(src), tmp_path / "probe", RegenConfig(max_new_tokens=6))

@@ -10,8 +10,8 @@ from eagle3.config import ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
 from eagle3.eval.decode import DraftProposer, Stats, TargetLM, speculative_generate
 from eagle3.eval.prompts import Conversation, load_prompts
 from eagle3.eval.replay import Turn, aux_states, bootstrap_ci, continuations, proposals, replay, walk
-from eagle3.formats import load_draft
-from eagle3.target import Target
+from eagle3.model.formats import load_draft
+from eagle3.model.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 AUX = [1, 3, 4]
@@ -21,8 +21,8 @@ K, MAX_NEW = 3, 40
 @pytest.fixture(scope="module")
 def head(tmp_path_factory, tiny_llama_dir):
     """A draft that agrees with the tiny target often: trained on the target's own greedy answers."""
-    from eagle3.data.prepare import prepare
     from eagle3.extract import run_extract
+    from eagle3.prepare import prepare
     from eagle3.regenerate.run import regenerate
     from eagle3.train.loop import train
     from eagle3.verifier import extract_verifier

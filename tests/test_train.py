@@ -25,9 +25,9 @@ def stages(tmp_path_factory, tiny_llama_dir):
     """prepare -> extract -> verifier on the tiny Llama and 40 real ShareGPT conversations (the first 40
     of the bundled file, or of $EAGLE3_TEST_SHAREGPT: a copy of them, where the package is absent), and a
     replay set: the target's greedy answers to the val prompts (root / "replay" names its dir)."""
-    from eagle3.data.prepare import prepare
     from eagle3.eval.replay import build_replay_set
     from eagle3.extract import run_extract
+    from eagle3.prepare import prepare
     from eagle3.verifier import extract_verifier
 
     root = tmp_path_factory.mktemp("train-stages")
@@ -153,7 +153,7 @@ def trained(stages, tmp_path_factory):
 
 
 def test_native_export_is_what_vllm_loads(trained, tiny_llama_dir):
-    from eagle3.model import DraftConfig
+    from eagle3.model.draft import DraftConfig
 
     out, m = trained
     cfg = json.loads((out / "final" / "config.json").read_text())
@@ -173,8 +173,8 @@ def test_native_export_is_what_vllm_loads(trained, tiny_llama_dir):
 def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
     """Build a draft from final/config.json alone + the target embedding; its logits equal the
     best checkpoint's, bitwise."""
-    from eagle3.model import DraftConfig, Eagle3Draft
-    from eagle3.store import open_store
+    from eagle3.model.draft import DraftConfig, Eagle3Draft
+    from eagle3.storage.store import open_store
     from eagle3.train.checkpoint import BEST, CKPT_DIR, load
 
     out, m = trained
@@ -207,8 +207,8 @@ def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
 
 
 def test_speculators_export_layout(trained, tmp_path):
-    from eagle3.formats import export
-    from eagle3.model import DraftConfig
+    from eagle3.model.draft import DraftConfig
+    from eagle3.model.formats import export
     from eagle3.train.checkpoint import BEST, CKPT_DIR, load
 
     out, m = trained
@@ -225,7 +225,7 @@ def test_speculators_export_layout(trained, tmp_path):
 
 
 def test_warm_start_loads_weights_and_keeps_the_vocab(trained, stages, tmp_path):
-    from eagle3.manifests import HiddenStates
+    from eagle3.storage.manifests import HiddenStates
     from eagle3.train.checkpoint import BEST, CKPT_DIR
     from eagle3.train.loop import build_draft
 
@@ -256,7 +256,7 @@ def test_mismatched_checkpoint_is_refused(trained, stages):
 
 
 def test_top_cache_equals_recomputing(stages):
-    from eagle3.store import open_store
+    from eagle3.storage.store import open_store
     from eagle3.train.data import collate
     from eagle3.train.loop import TopCache
     from eagle3.train.loss import TargetHead

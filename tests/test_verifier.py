@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.atomic import sha256_file
 from eagle3.cli import main
-from eagle3.manifests import PreparedData, VerifierWeights, VocabMapInfo
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.storage.hashing import sha256_file
+from eagle3.storage.manifests import PreparedData, VerifierWeights, VocabMapInfo
 from eagle3.train.loss import TargetHead
 from eagle3.verifier import extract_verifier
 

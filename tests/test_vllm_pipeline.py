@@ -54,7 +54,7 @@ def vllm_run(smollm2_dir, tmp_path_factory):
 
 
 def test_pipeline_runs_every_engine_stage_on_vllm(vllm_run):
-    from eagle3.manifests import EvalReport, HiddenStates
+    from eagle3.storage.manifests import EvalReport, HiddenStates
 
     root, cfg, out = vllm_run
     run = root / "run"
@@ -78,7 +78,7 @@ def test_served_head_answers_as_the_target_and_counts_accepted_tokens(vllm_run):
     import torch
     from openai import OpenAI
 
-    from eagle3.target import Target, prompt_ids
+    from eagle3.model.target import Target, prompt_ids
 
     root, cfg, out = vllm_run
     line = next(x for x in out.splitlines() if x.startswith("serve it: "))[len("serve it: "):]

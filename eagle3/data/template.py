@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eagle3.data.normalize import Skip
-from eagle3.target import chat_text, encode_texts, require_chat_template, special_ids
+from eagle3.model.target import chat_text, encode_texts, require_chat_template, special_ids
 
 # Above this many characters per allowed token we cut the text before tokenizing: a
 # 10 MB single turn must not cost a 10 MB tokenization to keep 2048 tokens.

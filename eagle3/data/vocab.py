@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.atomic import atomic_path
+from eagle3.storage.atomic import atomic_path
 
 
 def select_draft_tokens(counts: np.ndarray, draft_vocab: int) -> np.ndarray:

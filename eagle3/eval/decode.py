@@ -32,16 +32,16 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle3.capture import catch
-from eagle3.cpu_linear import packed_linears
+from eagle3.decoding.cpu_linear import packed_linears
 from eagle3.eval.prompts import Conversation
-from eagle3.model import Eagle3Draft, KVCache
-from eagle3.target import prompt_ids
+from eagle3.model.capture import catch
+from eagle3.model.draft import Eagle3Draft, KVCache
+from eagle3.model.target import prompt_ids
 
 
 class TargetLM:
     """An HF causal LM at batch size 1 with a KV cache; optionally catches the aux states at vLLM's
-    layer ids (`eagle3.capture`; the plain-greedy baseline runs without hooks)."""
+    layer ids (`eagle3.model.capture`; the plain-greedy baseline runs without hooks)."""
 
     def __init__(self, model: torch.nn.Module, aux_ids: Sequence[int] | None = None):
         self.model = model
@@ -248,7 +248,7 @@ def measure(
 
     Per conversation the plain greedy run goes first, then the speculative run, so that load
     from other processes hits both alike. Only the generate calls are timed (not rendering).
-    `cpu_linear`: on CPU, both runs use oneDNN-prepacked linear layers (`eagle3.cpu_linear`: a verify
+    `cpu_linear`: on CPU, both runs use oneDNN-prepacked linear layers (`eagle3.decoding.cpu_linear`: a verify
     pass of k+1 tokens then costs about one plain step, as on a GPU; each row count 1..k+1 takes the
     fastest of that, a GEMV and stock F.linear, timed at entry). The report's `cpu_linear` names the
     kernel per row count.

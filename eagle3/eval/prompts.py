@@ -96,7 +96,7 @@ def read_prepared_prompts(prepared: Path, limit: int | None = None) -> list[Conv
     """The validation split of `eagle3 prepare`: each sample's tokens up to its first trainable token."""
     import numpy as np
 
-    from eagle3.data.shards import read_split
+    from eagle3.storage.shards import read_split
 
     t = read_split(prepared, "val")
     if limit is not None:
@@ -115,13 +115,13 @@ def read_prepared_prompts(prepared: Path, limit: int | None = None) -> list[Conv
 
 def prompts_fingerprint(src: str | Path) -> str:
     """Content fingerprint of a prompt source (the file's sha256, or the prepare manifest's)."""
-    from eagle3.atomic import sha256_file
+    from eagle3.storage.hashing import sha256_file
 
     if str(src) == "mt-bench":
         return sha256_file(mtbench_path())
     path = Path(src)
     if path.is_dir():
-        from eagle3.manifests import PreparedData
+        from eagle3.storage.manifests import PreparedData
 
         return PreparedData.read(path).fingerprint
     if path.is_file():

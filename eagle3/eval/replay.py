@@ -21,7 +21,7 @@ round of a live run (`eagle3.eval.decode.speculative_generate`) can be reconstru
    proposals (a), emits a + 1 tokens (the bonus token is the target's) and the next round starts at
    t + a + 1; rounds go on while fewer than max_new tokens are out and none of them is a stop token.
 
-Steps 3 and 4 live in eagle3/chains.py, which the trainer's replay validation shares (`build_replay_set`
+Steps 3 and 4 live in eagle3/decoding/chains.py, which the trainer's replay validation shares (`build_replay_set`
 below makes its replay set: held-out prompts answered the same way).
 
 Replay agrees with live decoding round for round up to float near-ties (the draft in one pass vs
@@ -41,8 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3.atomic import atomic_dir, atomic_path, sha256_json
-from eagle3.chains import FORMAT, MANIFEST, TURNS, Turn, aux_path, proposals, walk
+from eagle3.decoding.chains import FORMAT, MANIFEST, TURNS, Turn, aux_path, proposals, walk
+from eagle3.storage.atomic import atomic_dir, atomic_path
+from eagle3.storage.hashing import sha256_json
 
 Progress = Callable[[str], None]
 
@@ -79,16 +80,16 @@ def continuations(target, model: torch.nn.Module, convs: Sequence, max_new: int,
 
 def build_lock(d: Path):
     """Held while `d` (a cache dir) is built or extended: one builder per cache at a time, on this host."""
-    from eagle3.lock import RunLock
+    from eagle3.storage.lock import RunLock
 
     return RunLock(d.parent / f".{d.name}.lock", wait_s=7 * 24 * 3600)
 
 
 def _continuations(target, model, convs, max_new, tail, batch_size, d, progress) -> tuple[list[Turn], Path, float]:
     from eagle3.config import RegenConfig
+    from eagle3.decoding.generate import HFGenerator
     from eagle3.eval.decode import finish_answer
-    from eagle3.generate import HFGenerator
-    from eagle3.target import prompt_ids
+    from eagle3.model.target import prompt_ids
 
     if (d / TURNS).is_file():
         with open(d / TURNS, encoding="utf-8") as f:
@@ -150,8 +151,8 @@ def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[i
 def _aux_states(base, turns, aux_ids, path, batch_tokens, packed) -> tuple[list[torch.Tensor], float]:
     from safetensors.torch import save_file
 
-    from eagle3.capture import hidden_states
-    from eagle3.cpu_linear import packed_linears
+    from eagle3.decoding.cpu_linear import packed_linears
+    from eagle3.model.capture import hidden_states
 
     t0 = time.perf_counter()
     out: dict[str, torch.Tensor] = {}
@@ -171,7 +172,7 @@ def build_replay_set(model_dir: str | Path, prompts: str | Path, limit: int, max
     """The target's greedy answers to the first `limit` prompts of `prompts` (e.g. a prepared dir's val
     split) and their aux states; returns the (content-cached) dir that `ReplaySet.load` reads."""
     from eagle3.eval.prompts import load_prompts
-    from eagle3.target import Target, check_aux_ids, default_aux_ids
+    from eagle3.model.target import Target, check_aux_ids, default_aux_ids
 
     target = Target.open(model_dir, trust_remote_code)
     convs, _ = load_prompts(prompts, limit)

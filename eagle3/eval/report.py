@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle3.manifests import EvalReport
+from eagle3.storage.manifests import EvalReport
 
 log = logging.getLogger("eagle3.eval")
 
@@ -36,7 +36,7 @@ def plot_acceptance(report: dict[str, Any], path: Path, title: str = "") -> bool
     ax.set_xticks(range(1, len(acc) + 1))
     ax.set_title(title or f"k={report['k']}  tau={report['acceptance_length']:.3f}", fontsize=9)
     fig.tight_layout()
-    from eagle3.atomic import atomic_path
+    from eagle3.storage.atomic import atomic_path
 
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
@@ -46,7 +46,7 @@ def plot_acceptance(report: dict[str, Any], path: Path, title: str = "") -> bool
 
 def write_outputs(out: Path, report: dict[str, Any], manifest) -> Any:
     """report.json, samples.jsonl, acceptance.png, then manifest.json last (its presence = done)."""
-    from eagle3.atomic import atomic_write_json, atomic_write_text, clean_temp_files
+    from eagle3.storage.atomic import atomic_write_json, atomic_write_text, clean_temp_files
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)

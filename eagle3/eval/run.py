@@ -25,11 +25,11 @@ from eagle3.config import EvalConfig
 from eagle3.eval.decode import DraftProposer, measure
 from eagle3.eval.prompts import Conversation, load_prompts, prompts_fingerprint
 from eagle3.eval.report import finish_report
-from eagle3.formats import dir_fingerprint, load_draft
-from eagle3.heap import retain_freed_memory
-from eagle3.manifests import EvalReport
-from eagle3.model import Eagle3Draft
-from eagle3.target import Target
+from eagle3.model.draft import Eagle3Draft
+from eagle3.model.formats import dir_fingerprint, load_draft
+from eagle3.model.target import Target
+from eagle3.runtime.heap import retain_freed_memory
+from eagle3.storage.manifests import EvalReport
 
 log = logging.getLogger("eagle3.eval")
 

@@ -27,9 +27,9 @@ from eagle3.config import EvalConfig
 from eagle3.eval.decode import Stats, _Timed, compare, run_conversation, summarize
 from eagle3.eval.prompts import load_prompts
 from eagle3.eval.report import finish_report
-from eagle3.formats import draft_format
-from eagle3.manifests import EvalReport
-from eagle3.vllm_engine import import_vllm, resolve_dtype, shutdown, speculative_config, start_engine
+from eagle3.model.formats import draft_format
+from eagle3.runtime.vllm_engine import import_vllm, resolve_dtype, shutdown, speculative_config, start_engine
+from eagle3.storage.manifests import EvalReport
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -78,7 +78,7 @@ def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path,
     """`eagle3 eval --backend vllm`: the report of `evaluate`, measured by vLLM on a GPU."""
     import json
 
-    from eagle3.target import Target
+    from eagle3.model.target import Target
 
     vllm = import_vllm("eval --backend vllm")
 

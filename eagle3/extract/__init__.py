@@ -2,7 +2,7 @@
 
     run_extract(model, prepared, out, cfg)  -> HiddenStates manifest
 
-The store's format and its reader (`eagle3.store.open_store`) live below the stages: training reads it.
+The store's format and its reader (`eagle3.storage.store.open_store`) live below the stages: training reads it.
 """
 from eagle3.extract.run import run_extract
 

@@ -1,7 +1,7 @@
 """The transformers backend: one forward pass of the base model, aux + final states caught by hooks.
 
 Layer ids follow vLLM (id k < N: the stream entering decoder layer k; id N: the last layer's
-output before the final norm), caught by `eagle3.capture.catch`. Nothing else is kept (no N+1
+output before the final norm), caught by `eagle3.model.capture.catch`. Nothing else is kept (no N+1
 hidden-state list) and the LM head is never loaded, so no logits are computed.
 
 The model is `Target.load_model(head=False)`: the decoder stack, built by transformers' own
@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from eagle3 import heap
-from eagle3.capture import catch, padded_batches
-from eagle3.cpu_linear import packed_linears
-from eagle3.faults import point
+from eagle3.decoding.cpu_linear import packed_linears
+from eagle3.model.capture import catch, padded_batches
+from eagle3.runtime import heap
+from eagle3.storage.faults import point
 
 Sample = tuple[str, torch.Tensor]  # (sample_id, input_ids [T])
 
@@ -61,7 +61,7 @@ class HFBackend:
         self, samples: Sequence[Sample], on_tokens: Callable[[int], None] | None = None
     ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """Yield (sample_id, token_ids [T], hidden [T, n_aux + 1, H] on CPU) for every sample."""
-        # On CPU the linear layers run on oneDNN-prepacked weights (eagle3.cpu_linear; 0.87x stock's time
+        # On CPU the linear layers run on oneDNN-prepacked weights (eagle3.decoding.cpu_linear; 0.87x stock's time
         # at extraction's row counts), always that kernel (timed=False), so reruns are bitwise equal.
         with packed_linears(self.model, timed=False):
             for group, lengths, ids in padded_batches([ids for _, ids in samples], self.batch_tokens, self.pad_id):
@@ -71,5 +71,5 @@ class HFBackend:
                     yield sid, tok, h[r, :n]
                 if on_tokens is not None:
                     on_tokens(sum(lengths))
-                heap.release()  # now and then: the next batch reuses this one's freed blocks (eagle3.heap)
+                heap.release()  # now and then: the next batch reuses this one's freed blocks (eagle3.runtime.heap)
                 point("extract.batch")

@@ -22,11 +22,13 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle3.atomic import atomic_path, clean_temp_files, sha256_file, sha256_file_cached
 from eagle3.config import ExtractConfig
-from eagle3.heap import retain_freed_memory
-from eagle3.manifests import HiddenShardInfo, HiddenStates, PreparedData
-from eagle3.store import (
+from eagle3.model.target import Target
+from eagle3.runtime.heap import retain_freed_memory
+from eagle3.storage.atomic import atomic_path, clean_temp_files
+from eagle3.storage.hashing import sha256_file, sha256_file_cached
+from eagle3.storage.manifests import HiddenShardInfo, HiddenStates, PreparedData
+from eagle3.storage.store import (
     FORMAT_VERSION,
     INDEX_FILE,
     SHARD_DIR,
@@ -38,7 +40,6 @@ from eagle3.store import (
     shard_meta,
     shard_problem,
 )
-from eagle3.target import Target
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do) of this run
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import ExtractConfig
-from eagle3.vllm_engine import import_vllm, resolve_dtype, shutdown, start_engine
+from eagle3.runtime.vllm_engine import import_vllm, resolve_dtype, shutdown, start_engine
 
 # Our subclass of vLLM's ExampleHiddenStatesConnector: the stock write path on CUDA, a synchronous
 # one on a CPU engine (the stock one needs CUDA streams and pinned memory). vLLM imports it by path.

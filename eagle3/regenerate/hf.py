@@ -1,5 +1,5 @@
 """The transformers backend of `eagle3 regenerate`: the target loaded with transformers' own classes,
-decoded in batches with a KV cache (`eagle3.generate.HFGenerator`)."""
+decoded in batches with a KV cache (`eagle3.decoding.generate.HFGenerator`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from eagle3.config import RegenConfig
-from eagle3.generate import HFGenerator, resolve_dtype
-from eagle3.target import Target
+from eagle3.decoding.generate import HFGenerator, resolve_dtype
+from eagle3.model.target import Target
 
 
 def load_hf(target: Target, cfg: RegenConfig, device: str | None = None) -> tuple[HFGenerator, Any]:

@@ -39,14 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.atomic import atomic_write_json, clean_temp_files, fsync_dir, sha256_file, sha256_json
 from eagle3.config import RegenConfig
 from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
-from eagle3.generate import Generator
-from eagle3.heap import retain_freed_memory
-from eagle3.manifests import MANIFEST, RegeneratedData
-from eagle3.target import Target, prompt_ids
+from eagle3.decoding.generate import Generator
+from eagle3.model.target import Target, prompt_ids
+from eagle3.runtime.heap import retain_freed_memory
+from eagle3.storage.atomic import atomic_write_json, clean_temp_files, fsync_dir
+from eagle3.storage.hashing import sha256_file, sha256_json
+from eagle3.storage.manifests import MANIFEST, RegeneratedData
 
 log = logging.getLogger("eagle3.regenerate")
 

@@ -3,7 +3,7 @@
 Contract, as read in vLLM's source (facts only):
 - `vllm/entrypoints/llm.py`: `LLM(model, *, tensor_parallel_size=1, dtype="auto", seed=None,
   gpu_memory_utilization=0.9, **engine_args)`; dtype "auto" turns an fp32 config (SmolLM2's)
-  into fp16, so the dtype is passed explicitly (`eagle3.vllm_engine.resolve_dtype`).
+  into fp16, so the dtype is passed explicitly (`eagle3.runtime.vllm_engine.resolve_dtype`).
   `generate(prompts, sampling_params, *, use_tqdm=True)` takes `{"prompt_token_ids": [...]}` prompts
   and either one SamplingParams or a list "paired one by one with the prompt" (a length mismatch
   raises ValueError). Each request gets `request_id = str(next(counter))`; the engine schedules all
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import RegenConfig
-from eagle3.generate import Gen
-from eagle3.vllm_engine import resolve_dtype, shutdown, start_engine
+from eagle3.decoding.generate import Gen
+from eagle3.runtime.vllm_engine import resolve_dtype, shutdown, start_engine
 
 
 def llm_kwargs(model: str | Path, cfg: RegenConfig, max_len: int, trust_remote_code: bool = False) -> dict[str, Any]:

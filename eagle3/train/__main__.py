@@ -15,7 +15,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from eagle3 import config as C
-from eagle3.atomic import atomic_write_text
+from eagle3.storage.atomic import atomic_write_text
 
 CONFIG_FILE = "train_config.json"
 FLAGS = [
@@ -51,7 +51,7 @@ def command(hidden, verifier, out, cfg: C.TrainConfig, verifier_name: str = "", 
 def run(cfg: C.TrainConfig, hidden, verifier, out, verifier_name: str = "", restart_on_mismatch: bool = False,
         replay: str | None = None) -> None:
     """This process's part of training `cfg` (rank 0 holds the out dir's lock)."""
-    from eagle3.lock import RunLock
+    from eagle3.storage.lock import RunLock
     from eagle3.train.loop import train
 
     rank = int(os.environ.get("RANK", "0"))
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     C.add_flags(p, C.TrainConfig, ALIASES)
     a = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    from eagle3.lock import LockedError
+    from eagle3.storage.lock import LockedError
 
     try:
         cfg = C.from_flags(C.TrainConfig, a, C.load_section(a.config, "train") if a.config else None)

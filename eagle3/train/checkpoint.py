@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from eagle3.atomic import atomic_dir, atomic_write_json, sha256_file, sha256_file_cached, write_safetensors, write_torch
+from eagle3.storage.atomic import atomic_dir, atomic_write_json, write_safetensors, write_torch
+from eagle3.storage.hashing import sha256_file, sha256_file_cached
 
 log = logging.getLogger("eagle3.train")
 

@@ -21,14 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3 import heap
-from eagle3.atomic import append_text, atomic_write_text, sha256_file
-from eagle3.chains import ReplaySet, replay_counts
 from eagle3.config import TrainConfig
-from eagle3.formats import export
-from eagle3.manifests import HiddenStates, TrainedDraft, VerifierWeights
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.store import open_store
+from eagle3.decoding.chains import ReplaySet, replay_counts
+from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.model.formats import export
+from eagle3.runtime import heap
+from eagle3.storage.atomic import append_text, atomic_write_text
+from eagle3.storage.hashing import sha256_file
+from eagle3.storage.manifests import HiddenStates, TrainedDraft, VerifierWeights
+from eagle3.storage.store import open_store
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
@@ -142,7 +143,7 @@ def row_pass(model: nn.Module, targets: tuple[torch.Tensor, torch.Tensor], batch
 def optimizer_step(params: list[nn.Parameter], opt: torch.optim.Optimizer, clip: float, sched=None) -> torch.Tensor:
     """Clip, step and zero the grads; returns the pre-clip gradient norm.
 
-    The step's freed activations stay in the process heap for the next step (`eagle3.heap`, set up
+    The step's freed activations stay in the process heap for the next step (`eagle3.runtime.heap`, set up
     by `train`): handing them back to the OS each step and faulting them in again cost ~190k page
     faults per 2048-token step on CPU. Under EAGLE3_HEAP=release they are handed back here."""
     gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
@@ -189,7 +190,7 @@ def inputs(hidden_dir: str | Path, verifier_dir: str | Path, cfg: TrainConfig,
 
 
 def replay_validate(draft: Eagle3Draft, rs: ReplaySet, k: int, d: dist.Dist, amp, gather) -> dict[str, Any]:
-    """Replay tau of the draft on a replay set (eagle3/chains.py): every rank replays its share of the
+    """Replay tau of the draft on a replay set (eagle3/decoding/chains.py): every rank replays its share of the
     turns, the counts are summed. `gather`: a context giving the draft its full parameters (FSDP)."""
     mine = range(d.rank, len(rs.turns), d.world)
     was = draft.training

@@ -85,7 +85,7 @@ class TargetHead(torch.nn.Module):
         embedding: one copy in memory, not two)."""
         from safetensors import safe_open
 
-        from eagle3.manifests import VerifierWeights
+        from eagle3.storage.manifests import VerifierWeights
 
         man = VerifierWeights.read(verifier_dir)
         with safe_open(str(Path(verifier_dir) / man.file), "pt") as f:

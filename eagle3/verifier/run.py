@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3.atomic import atomic_path, sha256_file, sha256_file_cached
-from eagle3.manifests import PreparedData, TensorInfo, VerifierWeights
-from eagle3.target import INDEX, Target
+from eagle3.model.target import INDEX, Target
+from eagle3.storage.atomic import atomic_path
+from eagle3.storage.hashing import sha256_file, sha256_file_cached
+from eagle3.storage.manifests import PreparedData, TensorInfo, VerifierWeights
 
 OUT_FILE = "verifier.safetensors"
 

@@ -21,9 +21,9 @@ from typing import Protocol
 
 import torch
 
-from eagle3 import heap
 from eagle3.config import RegenConfig
-from eagle3.cpu_linear import packed_linears
+from eagle3.decoding.cpu_linear import packed_linears
+from eagle3.runtime import heap
 
 
 @dataclass
@@ -62,7 +62,7 @@ class HFGenerator:
     """
 
     name = "hf"
-    cpu_linear = True  # on CPU, linear layers on oneDNN-prepacked weights (eagle3/cpu_linear.py)
+    cpu_linear = True  # on CPU, linear layers on oneDNN-prepacked weights (eagle3/decoding/cpu_linear.py)
 
     def __init__(self, model: torch.nn.Module, eos: set[int], cfg: RegenConfig, pad_id: int, tail: int = 0):
         # tail: keep decoding this many tokens past the stop (replay evaluation checks a draft's
@@ -77,7 +77,7 @@ class HFGenerator:
         # Longest first and similar lengths together: little padding, and the largest KV cache early.
         order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
         out: list[Gen | None] = [None] * len(prompts)
-        # On CPU the linear layers run on oneDNN-prepacked weights (eagle3/cpu_linear.py): a decode
+        # On CPU the linear layers run on oneDNN-prepacked weights (eagle3/decoding/cpu_linear.py): a decode
         # step multiplies only `batch` rows per weight, where torch's stock fp32 GEMM is slowest.
         with packed_linears(self.model) if self.cpu_linear else contextlib.nullcontext():
             for idx in self.batches([len(prompts[i]) for i in order]):
@@ -115,14 +115,14 @@ class HFGenerator:
     @torch.inference_mode()
     def _batch(self, prompts: list[list[int]], seeds: list[int]) -> list[Gen]:
         # KV cache in preallocated buffers and grouped one-token attention: no per-step copy of the
-        # cache (eagle3/batch_decode.py), so a batch of 32-64 rows scales on a CPU
-        from eagle3.batch_decode import buffer_cache, gqa_decoding
+        # cache (eagle3/decoding/batch_decode.py), so a batch of 32-64 rows scales on a CPU
+        from eagle3.decoding.batch_decode import buffer_cache, gqa_decoding
 
         # room for 256 new tokens at first; a longer run grows the buffers (rarely: most rows stop early)
         reserve = max(map(len, prompts)) + min(self.cfg.max_new_tokens + self.tail, 256)
         with gqa_decoding(self.model):
             gens = self._decode(prompts, seeds, buffer_cache(self.model, reserve))
-        # The batch's KV cache and prefill activations are freed now; on the kept heap (eagle3/heap.py)
+        # The batch's KV cache and prefill activations are freed now; on the kept heap (eagle3/runtime/heap.py)
         # they would stay resident beside the next batch's, which rarely fits in their place.
         heap.trim()
         return gens

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from eagle3.atomic import sha256_bytes, sha256_file, sha256_file_cached
+from eagle3.storage.hashing import sha256_bytes, sha256_file, sha256_file_cached
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -479,7 +479,7 @@ class Target:
 
     def generation_fingerprint(self) -> str:
         """Everything that changes the target's answers: weights + config, tokenizer + template, stop ids."""
-        from eagle3.atomic import sha256_json
+        from eagle3.storage.hashing import sha256_json
 
         gc = self.path / "generation_config.json"
         return sha256_json({"model": self.fingerprint(), "tokenizer": self.tokenizer_fingerprint(),

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3.atomic import sha256_file, sha256_json
+from eagle3.storage.hashing import sha256_file, sha256_json
 
 FORMAT = 2  # 2: the manifest names the target and its stop ids (a replay set the trainer reads)
 TURNS = "turns.jsonl"

@@ -79,7 +79,7 @@ class BufferLayer(DynamicLayer):
         """Keep the rows `indices` (finished rows leave the batch). Ascending indices (the decoder's) are
         compacted in place: row j takes row indices[j] >= j, moved in ascending order, so no source is
         overwritten before it is read, and the buffers stay where they are. A gather into new buffers
-        instead allocated 60 buffers per round as rows left; on the kept heap (eagle3/heap.py) the freed
+        instead allocated 60 buffers per round as rows left; on the kept heap (eagle3/runtime/heap.py) the freed
         ones fragmented it: the eval building the 80-row MT-Bench answers peaked at 10.76 GiB, 9.17 GiB
         compacting in place, with the same answers bit for bit and no slower (255 s against 270 s)."""
         if not self.is_initialized:

@@ -14,7 +14,8 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import BaseModel, Field
 
 from eagle3 import __version__
-from eagle3.atomic import atomic_write_json, sha256_json
+from eagle3.storage.atomic import atomic_write_json
+from eagle3.storage.hashing import sha256_json
 
 MANIFEST = "manifest.json"
 M = TypeVar("M", bound="StageManifest")

@@ -19,15 +19,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.atomic import atomic_path, clean_temp_files, sha256_file
 from eagle3.config import DEFAULT_DRAFT_VOCAB, PrepareConfig
 from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
-from eagle3.data.shards import SCHEMA
 from eagle3.data.template import ChatRenderer, Rendered
 from eagle3.data.vocab import build_maps, load_maps, save_maps, select_draft_tokens
-from eagle3.manifests import MANIFEST, PreparedData, ShardInfo, VocabMapInfo
-from eagle3.target import Target
+from eagle3.model.target import Target
+from eagle3.storage.atomic import atomic_path, clean_temp_files
+from eagle3.storage.hashing import sha256_file
+from eagle3.storage.manifests import MANIFEST, PreparedData, ShardInfo, VocabMapInfo
+from eagle3.storage.shards import SCHEMA
 
 log = logging.getLogger("eagle3.prepare")
 

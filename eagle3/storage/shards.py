@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.atomic import sha256_file_cached
-from eagle3.manifests import PreparedData
+from eagle3.storage.hashing import sha256_file_cached
+from eagle3.storage.manifests import PreparedData
 
 SCHEMA = pa.schema([
     ("sample_id", pa.string()),

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eagle3.atomic import atomic_dir, atomic_write_json
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.target import Target, default_aux_ids
+from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.model.target import Target, default_aux_ids
+from eagle3.storage.atomic import atomic_dir, atomic_write_json
 
 WEIGHTS = "model.safetensors"
 SKIP = ("embed_tokens.weight",)
@@ -264,7 +264,7 @@ def load_draft(
 
 def dir_fingerprint(d: str | Path) -> str:
     """sha256 over config.json and the weight files of a dir."""
-    from eagle3.atomic import sha256_file
+    from eagle3.storage.hashing import sha256_file
 
     d = Path(d)
     files = sorted(p for p in d.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")

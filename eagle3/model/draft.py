@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
-from eagle3.target import MLA_DRAFT_HEAD_DIM, Target, check_aux_ids, default_aux_ids, is_mla, rope_of, text_config
+from eagle3.model.target import MLA_DRAFT_HEAD_DIM, Target, check_aux_ids, default_aux_ids, is_mla, rope_of, text_config
 
 VERIFIER_FILE = "verifier.safetensors"
 
@@ -433,7 +433,7 @@ class Eagle3Draft(nn.Module):
         combine(aux); step j's is step j-1's next-state at the same position. Ids past the row
         end are 0; the loss masks those positions. Returns `steps` tensors [B, L, H].
         """
-        from eagle3.attention import doc_ids_from_position_ids, ttt_attention
+        from eagle3.model.attention import doc_ids_from_position_ids, ttt_attention
 
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")

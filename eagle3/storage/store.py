@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from eagle3.atomic import atomic_path, sha256_file_cached, sha256_json, write_safetensors
+from eagle3.storage.atomic import atomic_path, write_safetensors
+from eagle3.storage.hashing import sha256_file_cached, sha256_json
 
 FORMAT_VERSION = 1
 META_KEY = "eagle3"
@@ -289,7 +290,7 @@ class HiddenStateStore(Sequence):
     def __init__(self, root: str | os.PathLike, split: str | None = None):
         import pyarrow.parquet as pq
 
-        from eagle3.manifests import HiddenStates
+        from eagle3.storage.manifests import HiddenStates
 
         self.root = Path(root)
         self.manifest = HiddenStates.read(self.root)
