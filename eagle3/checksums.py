@@ -72,3 +72,15 @@ def verify_tree(root: str | Path, deep: bool = False) -> list[Finding]:
     if not dirs:
         raise ValueError(f"{root}: no stage manifest (manifest.json) found")
     return [verify_dir(d, deep) for d in dirs]
+
+
+def report(root: str | Path, deep: bool, emit) -> int:
+    """`eagle3 verify`'s output, a line per stage dir and one per bad file, through `emit`; returns the
+    number of bad files."""
+    bad = 0
+    for f in verify_tree(root, deep=deep):
+        emit(f"{'OK ' if not f.bad else 'BAD'} {f.kind:<9} {f.stage_dir} ({f.checked} files checked)")
+        for b in f.bad:
+            emit(f"    {b}")
+        bad += len(f.bad)
+    return bad

@@ -9,9 +9,6 @@ backticks (V2 shows them raw); `form_schema` adds each field's limits to its des
 """
 from __future__ import annotations
 
-import argparse
-import types
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -316,6 +313,19 @@ class EvalConfig(_Cfg):
     )
 
 
+class ReplaySetConfig(BaseModel):
+    """`eagle3 replay-set`: held-out prompts answered greedily by the target, with their aux states (what
+    `eagle3 train --replay` validates on)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    limit: int = Field(32, ge=1, description="prompts used")
+    max_new_tokens: int = Field(128, ge=1, le=1 << 16, description="tokens per answer at most")
+    aux_layer_ids: list[int] | None = Field(None, description="3 aux layer ids (default the target's, as extract uses)")
+    cache: str | None = Field(None, description="cache root (default $EAGLE3_CACHE_DIR/replay)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+
+
 class RegenConfig(_Cfg):
     """Stage 0 (optional): rewrite every assistant turn with the target itself, so the draft learns the
     target's own continuations. Output: JSONL in the messages form that prepare reads."""
@@ -368,7 +378,6 @@ class RegenConfig(_Cfg):
 
 
 PipelineConfig.model_rebuild()
-M = typing.TypeVar("M", bound=BaseModel)
 
 
 def load_section(path: str | Path, section: str) -> dict[str, Any]:
@@ -383,71 +392,3 @@ def load_section(path: str | Path, section: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     return data.get(section, data) if isinstance(data.get(section), dict) else data
-
-
-# ---------------------------------------------------------------- command-line flags
-def _flag_type(ann: Any) -> tuple[Any, bool]:
-    """(the field's type without None, whether None is allowed)."""
-    args = typing.get_args(ann)
-    if typing.get_origin(ann) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else ann), True
-    return ann, False
-
-
-def comma_list(elem: type):
-    def parse(text: str) -> list:
-        try:
-            return [elem(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {elem.__name__} values, got {text!r}") from None
-
-    return parse
-
-
-def json_object(text: str) -> dict:
-    import json
-
-    try:
-        v = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from None
-    if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return v
-
-
-def add_flags(p: argparse.ArgumentParser, model: type[BaseModel], aliases: dict[str, str] | None = None,
-              skip: tuple[str, ...] = ()) -> None:
-    """One flag per field of a config: `--field-name`, the field's description as help (the same text the
-    Prefect form shows), the config's own default. Booleans get `--x` / `--no-x`, Literals their choices,
-    lists comma-separated values. Unset flags stay None: `from_flags` then keeps the config's default."""
-    for name, f in model.model_fields.items():
-        ann, _ = _flag_type(f.annotation)
-        if name in skip or (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            continue
-        flags = ["--" + name.replace("_", "-")] + ([aliases[name]] if aliases and name in aliases else [])
-        default = f.default_factory() if f.default_factory is not None else f.default
-        help_text = (f.description or "").replace("%", "%%") + ("" if default is None else f" (default: {default})")
-        kw: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
-        origin, args = typing.get_origin(ann), typing.get_args(ann)
-        if ann is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif origin is Literal:
-            kw["choices"] = list(args)
-        elif origin in (list, tuple):
-            kw.update(type=comma_list(args[0]), metavar="A,B,...")
-        elif origin is dict:
-            kw.update(type=json_object, metavar="JSON")
-        elif ann in (int, float, str):
-            kw["type"] = ann
-        else:
-            continue
-        p.add_argument(*flags, **kw)
-
-
-def from_flags(model: type[M], a: argparse.Namespace, base: dict[str, Any] | None = None) -> M:
-    """The config `a`'s flags describe: `base` (e.g. a config file's values), overridden by every flag given."""
-    given = {k: v for k, v in vars(a).items() if k in model.model_fields and v is not None}
-    return model.model_validate({**(base or {}), **given})
-

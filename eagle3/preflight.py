@@ -9,9 +9,9 @@ Estimates (bytes unless said otherwise):
   gradient, the softmax) + 2 V x H x 4 (target head);
 - extract on GPU (vLLM): weights P_target x weight_bytes / (TP x PP) must fit gpu_memory_utilization.
 Token counts come from the prepare manifest when it exists, else from the source size
-(conversations x mean tokens, capped at max_len; ShareGPT measured: 1,520 median, 73% trainable).
+(conversations x mean tokens, capped at max_len).
 
-Wall time per remaining stage, on CPU from this project's measured SmolLM2 rates scaled by the
+Wall time per remaining stage, on CPU from SmolLM2 rates measured on a 2-core host, scaled by the
 target's size, on GPU (vLLM) from compute-bound planning rates; a run over `max_hours` is refused.
 """
 from __future__ import annotations
@@ -30,33 +30,21 @@ SHAREGPT_RECORDS = 17_671     # complete records of the bundled (truncated) file
 SHAREGPT_KEPT = 0.95          # share that survives normalization (measured on the first 2,000)
 SHAREGPT_MEAN_TOKENS = 1_360  # mean tokens of a kept conversation, SmolLM2 template, before truncation
 HEADROOM = 1.10               # 10% slack on every disk estimate
-# Time estimates are compute-bound: FLOPs / (devices x effective FLOP/s). Effective rates are
-# planning assumptions, not measurements: bf16 prefill on an H200 at ~40% of its 989 TFLOP/s
-# dense peak; small-matrix training at ~15%. CPU rates are this project's measured SmolLM2
-# figures (hf extraction ~650 tok/s since its heap and linear kernels were tuned, 2026-12-01: the
-# demo's 290k tokens at 659 tok/s; training ~700 / 1,100 tok/s at k=3, 2048-token packs).
+# Time estimates. GPU: compute-bound, FLOPs / (devices x effective FLOP/s), planning assumptions
+# (bf16 prefill on an H200 at ~40% of its 989 TFLOP/s dense peak; small-matrix training at ~15%).
+# CPU: SmolLM2-135M rates measured on a 2-core host, scaled by the target's size; where each was
+# measured, with its command: benchmarks/RESULTS.md, "Planning rates of the preflight".
 GPU_PREFILL_FLOPS = 400e12
 GPU_TRAIN_FLOPS = 150e12
-# Measured on the 2-core CPU (benchmarks/RESULTS.md, make demo): prepare 490 conversations/s; eval (hf, one
-# thread, k=3) 16 turns x 64 new tokens, speculative and plain greedy, in 137 s = ~15 generated
-# tok/s counting both passes, for SmolLM2-135M; regenerate (hf, batch 8) ~22 tok/s.
-PREPARE_CONV_PER_S = 490
-EVAL_CPU_TOK_PER_S = 15
-# Replay mode (hf, SmolLM2, 2 threads, idle machine; `benchmarks/replay.py --compare-build --limit 24`,
-# 2026-12-01): the target's greedy answers to 24 MT-Bench questions, both turns, 256 new tokens, batched,
-# in 66.9 s = ~180 tok/s counted as turns x max_new; their aux states, one forward on packed linears over
-# prompts + answers, in 24.2 s = ~1,000 tok/s counted as 2 x turns x max_new (prompt and answer tokens
-# are about equal there). At one thread on stock linears it took 1.7x as long.
-REPLAY_CPU_DECODE_TOK_PER_S = 180
-REPLAY_CPU_FORWARD_TOK_PER_S = 1000
-# The trainer's replay set is small (the val split: 10 answers x 128 tokens in the demo), so its decoding is
-# step-bound, not batch-bound: 1,280 tokens in 167 s = ~7.7 tok/s.
-REPLAY_SET_CPU_TOK_PER_S = 7.7
-REGEN_CPU_TOK_PER_S = 22
+PREPARE_CONV_PER_S = 490          # prepare, conversations/s
+EVAL_CPU_TOK_PER_S = 15           # live eval (hf, one thread, k=3), generated tok/s counting both passes
+REPLAY_CPU_DECODE_TOK_PER_S = 180  # replay: the target's greedy answers, batched (turns x max_new per s)
+REPLAY_CPU_FORWARD_TOK_PER_S = 1000  # replay: their aux states, one forward on packed linears
+REPLAY_SET_CPU_TOK_PER_S = 7.7    # the trainer's small replay set: step-bound decoding
+REGEN_CPU_TOK_PER_S = 22          # regenerate (hf, batch 8)
 SMOLLM2_PARAMS = 135e6
-# vLLM (planning assumptions): an engine starts in ~2 min; batched decoding ~2,000 tok/s per engine.
-VLLM_START_S = 120
-VLLM_DECODE_TOK_PER_S = 2000
+VLLM_START_S = 120                # vLLM (planning assumptions): an engine's start
+VLLM_DECODE_TOK_PER_S = 2000      # batched decoding per engine
 MTBENCH_QUESTIONS = 80  # two turns each
 
 

@@ -14,7 +14,7 @@ from prefect.artifacts import (
 )
 
 from eagle3.config import PipelineConfig, PrepareConfig, RegenConfig
-from eagle3.regenerate.run import FORMAT, inputs, regenerate
+from eagle3.regenerate.run import FORMAT, inputs, progress_line, regenerate
 from eagle3.storage.manifests import RegeneratedData
 from tasks._cache import stage_task
 
@@ -67,8 +67,7 @@ def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig,
         now = time.monotonic()
         if now - last[0] > 10:
             last[0] = now
-            log.info("regenerate: %d records read, %d written, %.1f tok/s",
-                     p["records_read"], p["records_written"], p["tokens_per_second"])
+            log.info(progress_line(p))
             if art is not None:
                 update_progress_artifact(art, min(100.0, 100.0 * p["records_read"] / total))
 

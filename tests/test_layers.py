@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 GROUPS = [
     ("storage", {"eagle3", "eagle3.storage", "eagle3.runtime"}),  # files, hashes, locks, manifests; host runtime
     ("model", {"eagle3.model"}),  # the target, the draft's forward pass, head formats, capture
-    ("config", {"eagle3.config"}),  # the stages' typed configs
+    ("config", {"eagle3.config", "eagle3.flags"}),  # the stages' typed configs, the flags made from them
     ("decoding", {"eagle3.decoding"}),  # greedy decoding, KV cache, CPU linears, chains
     ("data", {"eagle3.data"}),  # conversation readers, normalization, template + loss mask, vocab map
     ("planning", {"eagle3.preflight"}),  # sizes and times of a run before it starts

@@ -81,7 +81,7 @@ def test_verify_names_corrupt_truncated_and_missing_files(tmp_path, smollm2_dir)
 HASH_ONCE = """
 import sys, time
 from pathlib import Path
-import eagle3.storage.atomic as a
+import eagle3.storage.hashing as a
 real, n = a.sha256_file, []
 a.sha256_file = lambda p: n.append(p) or real(p)
 while not Path(sys.argv[2]).exists():
@@ -113,7 +113,7 @@ def test_sha256_stamp_hashes_once_per_host_across_concurrent_processes(tmp_path,
 
 
 def test_sha256_stamp_follows_every_change_of_the_file(tmp_path, monkeypatch):
-    import eagle3.storage.atomic as a
+    import eagle3.storage.hashing as a
 
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
     calls: list = []
@@ -136,7 +136,7 @@ def test_sha256_stamp_follows_every_change_of_the_file(tmp_path, monkeypatch):
 
 
 def test_verify_reads_only_what_changed_unless_deep(tmp_path, smollm2_dir, monkeypatch):
-    import eagle3.storage.atomic as a
+    import eagle3.storage.hashing as a
     from eagle3.checksums import verify_tree
     from eagle3.config import PrepareConfig
     from eagle3.prepare import prepare

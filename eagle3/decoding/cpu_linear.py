@@ -2,29 +2,20 @@
 
 Why: at batch size 1 a decode step multiplies 1 row, a verify pass k+1 rows, against every weight
 of the target. On an x86 CPU with torch's stock fp32 path (MKL sgemm on [out, in] weights) a few
-rows cost far more than one. All 211 linear layers of SmolLM2-135M, one pass, median of 9
-(`benchmarks/cpu_linear.py`, 2-core AMD EPYC, idle):
-
-    rows                   1      2      3      4      6     32    400
-    stock, 1 thread     57.6   98.6  122.0   84.8   86.8  153.9   1210   ms
-    packed, 1 thread    45.8   51.5   47.5   45.5   35.7   98.6   1039
-    stock, 2 threads    47.4   80.6   98.9   72.1   69.7  116.1    724
-    packed, 2 threads   28.9   31.4   27.4   29.1   25.3   70.7    564
-
-So with stock kernels a verify pass cost 1.5-2.1x a plain step, which no draft could win back; packed,
-it costs about one step, as on a GPU (the weights are read once either way). vLLM's own CPU backend
-does the same: its unquantized-GEMM dispatch (`vllm/model_executor/layers/utils.py`) prepacks every
-linear weight into a oneDNN matmul handler.
+rows cost far more than one: with stock kernels a verify pass costs about 1.5-2x a plain step, which
+no draft could win back; prepacked, about one step, as on a GPU (the weights are read once either way;
+`benchmarks/cpu_linear.py`, figures in benchmarks/RESULTS.md, cpu_linear). vLLM's own CPU backend does
+the same: its unquantized-GEMM dispatch (`vllm/model_executor/layers/utils.py`) prepacks every linear
+weight into a oneDNN matmul handler.
 
 `packed_linears(*modules)` replaces every `nn.Linear` inside them, for the duration of a `with`
 block, by a `PackedLinear` holding its weight prepacked in oneDNN's blocked layout. Which kernel is
 fastest for a few rows depends on the CPU, so for each row count in `rows` (default 1-4: a step and
 the verify passes of k <= 3) three are timed on the module's own layers at entry: oneDNN, a plain
-GEMV on a transposed copy (`x @ W^T` contiguous) and torch's stock F.linear. On the AMD host above
-oneDNN or GEMV won every count; on a 2-core Intel Xeon (Sapphire Rapids class, 1 thread) GEMV won
-1 row (39.1 ms), stock 2 and 3 rows (44.6 / 48.5 ms against oneDNN's 51.1 / 54.6) and oneDNN 4 rows
-(53.9 ms). The plain greedy baseline runs on its fastest kernel too. Results equal `F.linear` to
-fp32 rounding (~2e-6 here), not bitwise: a greedy argmax near-tie may flip, as between any two kernels.
+GEMV on a transposed copy (`x @ W^T` contiguous) and torch's stock F.linear (the winner differs
+between an AMD EPYC and an Intel Xeon host: RESULTS.md, cpu_linear). The plain greedy baseline runs on
+its fastest kernel too. Results equal `F.linear` to fp32 rounding (~2e-6), not bitwise: a greedy
+argmax near-tie may flip, as between any two kernels.
 
 Inference only (no autograd through the packed copy), fp32 on CPU; anything else is left as is.
 """

@@ -45,11 +45,13 @@ class Generator(Protocol):
         ...
 
 
-def finish(ids: list[int], eos: set[int], max_new: int) -> Gen:
-    """Cut after the first stop token (dropped) or at max_new tokens."""
+def finish(ids: list[int], eos: set[int], max_new: int, keep_stop: bool = False) -> Gen:
+    """Cut at the first stop token within max_new tokens, or at max_new. The stop token is dropped (a
+    regenerated turn, whose template closes it) or, with `keep_stop`, kept (an evaluated answer: vLLM
+    returns it, and it is a token the draft must propose too)."""
     for i, t in enumerate(ids[:max_new]):
         if t in eos:
-            return Gen(ids[:i], "stop")
+            return Gen(ids[: i + 1 if keep_stop else i], "stop")
     return Gen(ids[:max_new], "length")
 
 

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3.decoding.cpu_linear import packed_linears
+from eagle3.decoding.generate import finish
 from eagle3.eval.prompts import Conversation
 from eagle3.model.capture import catch
 from eagle3.model.draft import Eagle3Draft, KVCache
@@ -161,15 +162,6 @@ class Stats:
         return [c / self.drafts if self.drafts else 0.0 for c in self.per_pos]
 
 
-def finish_answer(out: list[int], max_new: int, eos: set[int]) -> list[int]:
-    """Cut at max_new tokens and after the first stop token (kept, as vLLM returns it)."""
-    out = out[:max_new]
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[: i + 1]
-    return out
-
-
 @torch.inference_mode()
 def greedy_generate(target: TargetLM, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
     """Plain greedy decoding with a KV cache: the reference output and the speed baseline."""
@@ -207,7 +199,7 @@ def speculative_generate(
         new = draft[:n] + [pred[n]]
         ids += new
         out += new
-    return finish_answer(out, max_new, eos)
+    return finish(out, eos, max_new, keep_stop=True).ids
 
 
 def run_conversation(conv: Conversation, tokenizer, generate: Callable[[list[int]], list[int]]) -> list[list[int]]:

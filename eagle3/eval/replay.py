@@ -87,8 +87,7 @@ def build_lock(d: Path):
 
 def _continuations(target, model, convs, max_new, tail, batch_size, d, progress) -> tuple[list[Turn], Path, float]:
     from eagle3.config import RegenConfig
-    from eagle3.decoding.generate import HFGenerator
-    from eagle3.eval.decode import finish_answer
+    from eagle3.decoding.generate import HFGenerator, finish
     from eagle3.model.target import prompt_ids
 
     if (d / TURNS).is_file():
@@ -116,7 +115,8 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress)
             msgs[n] += [{"role": "assistant", "content": text}, {"role": "user", "content": c.followups[i - 1]}]
             prompts.append(prompt_ids(tok, msgs[n]))
         for n, prompt, g in zip(todo, prompts, gen.generate(prompts, [0] * len(prompts)), strict=True):
-            t = Turn(convs[n].id, i, len(prompt), list(prompt) + g.raw, len(finish_answer(g.raw, max_new, eos)))
+            answer = finish(g.raw, eos, max_new, keep_stop=True).ids
+            t = Turn(convs[n].id, i, len(prompt), list(prompt) + g.raw, len(answer))
             turns.append(t)
             prev[n] = t
         if progress is not None:

@@ -39,16 +39,9 @@ VERIFIER_FILE = "verifier.safetensors"
 class DraftConfig(BaseModel):
     """Shape and switches of one EAGLE-3 draft head. Build it with `DraftConfig.from_target`.
 
-    The norm switches' defaults are chosen by measurement (benchmarks/norm_switches.py: SmolLM2,
-    same data, seed and 80 steps each; validation simulated tau):
-        norm_before_fc  norm_output  norm_before_residual  sim tau
-        on              on           off                   1.219
-        on              off          off                   1.207
-        off             on           off                   1.256   <- the default
-        off             off          off                   1.229
-        off             on           on                    1.221
-    norm_output helps either way; a joint RMSNorm over the three aux layers' states (whose scales
-    differ by layer) hurt here, although speculators ships it on (+7.2% reported, its #692).
+    The norm switches' defaults were chosen by validation simulated tau on the same data, seed and steps
+    (`benchmarks/norm_switches.py`; the figures: benchmarks/RESULTS.md, norm_switches): norm_output on,
+    and no joint RMSNorm over the three aux layers' states, whose scales differ by layer.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

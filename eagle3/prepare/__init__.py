@@ -3,6 +3,6 @@ write Parquet shards and build the draft vocabulary (run.py).
 
     prepare(model, out, cfg)  -> PreparedData manifest
 """
-from eagle3.prepare.run import VOCAB_FILE, inputs, prepare
+from eagle3.prepare.run import VOCAB_FILE, inputs, prepare, show_samples
 
-__all__ = ["VOCAB_FILE", "inputs", "prepare"]
+__all__ = ["VOCAB_FILE", "inputs", "prepare", "show_samples"]

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -22,13 +22,13 @@ import pyarrow.parquet as pq
 from eagle3.config import DEFAULT_DRAFT_VOCAB, PrepareConfig
 from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
-from eagle3.data.template import ChatRenderer, Rendered
+from eagle3.data.template import ChatRenderer, Rendered, show
 from eagle3.data.vocab import build_maps, load_maps, save_maps, select_draft_tokens
 from eagle3.model.target import Target
 from eagle3.storage.atomic import atomic_path, clean_temp_files
 from eagle3.storage.hashing import sha256_file
 from eagle3.storage.manifests import MANIFEST, PreparedData, ShardInfo, VocabMapInfo
-from eagle3.storage.shards import SCHEMA
+from eagle3.storage.shards import SCHEMA, read_split
 
 log = logging.getLogger("eagle3.prepare")
 
@@ -299,3 +299,14 @@ def prepare(
     for note in stats.notes:
         log.warning("prepare: %s", note)
     return m
+
+
+def show_samples(model: str | Path, out: str | Path, n: int, trust_remote_code: bool = False,
+                 color: bool = True) -> Iterator[str]:
+    """The first `n` prepared train samples as text, each under a header line, their trainable (loss-masked)
+    spans highlighted: what `eagle3 prepare --show N` prints."""
+    tok = Target.open(model, trust_remote_code).tokenizer()
+    for row in read_split(out, "train").slice(0, n).to_pylist():
+        yield (f"\n===== record {row['record_id']} ({len(row['input_ids'])} tokens, "
+               f"{sum(row['loss_mask'])} trainable) =====")
+        yield show(tok, row["input_ids"], row["loss_mask"], color=color)

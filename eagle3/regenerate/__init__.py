@@ -4,6 +4,6 @@
 
 Backends: hf.py (transformers, batched) and vllm.py (GPU host); the driver is run.py.
 """
-from eagle3.regenerate.run import OUT_FILE, read_records, regenerate
+from eagle3.regenerate.run import OUT_FILE, progress_line, read_records, regenerate
 
-__all__ = ["OUT_FILE", "read_records", "regenerate"]
+__all__ = ["OUT_FILE", "progress_line", "read_records", "regenerate"]

@@ -468,3 +468,9 @@ def read_records(out: str | Path) -> list[dict[str, Any]]:
     path = Path(out) / OUT_FILE
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def progress_line(p: dict) -> str:
+    """One line of a regeneration's progress (the `progress` callback's dict), for logs and the terminal."""
+    return (f"regenerate: {p['records_read']} records read, {p['records_written']} written, "
+            f"{p['tokens_generated']} tokens at {p['tokens_per_second']:.1f} tok/s")

@@ -4,11 +4,10 @@ Why: every CPU stage allocates and frees the same large tensors over and over (a
 [L, Vd] logits and activations, an extraction batch's [B, T, H] states). glibc serves any block
 above its mmap threshold (128 KiB, rising to at most 32 MiB) with a fresh mmap and returns it on
 free, and gives the top of the heap back above its trim threshold; either way the next step
-touches new pages and the kernel zero-fills them on first touch. On SmolLM2 that was 5.7M page
-faults per 16k-token extraction batch (18% of its CPU time in the kernel) and ~190k per training
-step (`make demo`: 564 s of system time in 50 min). With both thresholds raised the blocks are
-reused in place: extraction 1.52x, training 1.15x at one thread, for ~0.4 GB more peak RSS in
-extraction (`benchmarks/heap.py`, benchmarks/RESULTS.md).
+touches new pages and the kernel zero-fills them on first touch: millions of page faults per
+extraction batch, a large share of its CPU time in the kernel. With both thresholds raised the
+blocks are reused in place, faster for a few hundred MB more peak RSS (`benchmarks/heap.py`; the
+figures: benchmarks/RESULTS.md, heap).
 
 This is what jemalloc / tcmalloc give torch CPU workloads, with nothing to install. glibc only;
 elsewhere (macOS, musl) nothing is changed. Process-wide and idempotent: each CPU-heavy stage

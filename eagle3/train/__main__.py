@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from eagle3 import config as C
+from eagle3 import flags as F
 from eagle3.storage.atomic import atomic_write_text
 
 CONFIG_FILE = "train_config.json"
@@ -65,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     for flag, kw in FLAGS:
         p.add_argument(flag, **kw)
-    C.add_flags(p, C.TrainConfig, ALIASES)
+    F.add_flags(p, C.TrainConfig, ALIASES)
     a = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     from eagle3.storage.lock import LockedError
 
     try:
-        cfg = C.from_flags(C.TrainConfig, a, C.load_section(a.config, "train") if a.config else None)
+        cfg = F.from_flags(C.TrainConfig, a, C.load_section(a.config, "train") if a.config else None)
         run(cfg, a.hidden, a.verifier, a.out, a.verifier_name, a.restart_on_mismatch, a.replay)
     except (ValueError, FileNotFoundError, LockedError) as e:
         print(f"eagle3 train (rank {rank}): error: {e}", file=sys.stderr)
