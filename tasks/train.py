@@ -16,6 +16,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.config import TrainConfig
+from eagle3.eval.replay import replay_set_dir
 from eagle3.storage.manifests import HiddenStates, TrainedDraft
 from eagle3.train.__main__ import command
 from eagle3.train.loop import inputs
@@ -29,17 +30,24 @@ def _key(i: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_replay(model: str, prepared: str, aux_ids: list[int], cfg: TrainConfig, trust_remote_code: bool, log) -> str:
-    """`eagle3 replay-set` in a subprocess (the target's memory, GPU included, is freed before training);
-    returns the set's dir (content-cached: a set built before is found without loading the model)."""
-    cmd = [sys.executable, "-m", "eagle3.cli", "replay-set", "--model", model, "--prompts", prepared,
-           "--limit", str(cfg.replay_prompts), "--max-new-tokens", str(cfg.replay_max_new_tokens),
-           "--aux-layers", ",".join(map(str, aux_ids))]
-    cmd += ["--threads", str(cfg.threads)] if cfg.threads else []
-    cmd += ["--trust-remote-code"] if trust_remote_code else []
-    d = run_streamed(cmd, log)  # the command's last line names the dir
-    if not Path(d, "turns.jsonl").is_file():
-        raise RuntimeError(f"eagle3 replay-set ended without naming a replay set (last line: {d!r})")
-    return d
+    """The replay set's dir, from the library (content-cached: a set built before is found without loading
+    the model); one not built yet is built by `eagle3 replay-set` in a subprocess, so the target's memory,
+    GPU included, is freed before training."""
+    d, _, built = replay_set_dir(model, prepared, cfg.replay_prompts, cfg.replay_max_new_tokens, aux_ids,
+                                 trust_remote_code=trust_remote_code)
+    if not built:
+        cmd = [sys.executable, "-m", "eagle3.cli", "replay-set", "--model", model, "--prompts", prepared,
+               "--limit", str(cfg.replay_prompts), "--max-new-tokens", str(cfg.replay_max_new_tokens),
+               "--aux-layers", ",".join(map(str, aux_ids))]
+        cmd += ["--threads", str(cfg.threads)] if cfg.threads else []
+        cmd += ["--trust-remote-code"] if trust_remote_code else []
+        run_streamed(cmd, log)
+        if not replay_set_dir(model, prepared, cfg.replay_prompts, cfg.replay_max_new_tokens, aux_ids,
+                              trust_remote_code=trust_remote_code)[2]:
+            raise RuntimeError(f"eagle3 replay-set ended without building the replay set in {d}")
+    else:
+        log.info("replay set %s: built before (inputs unchanged)", d)
+    return str(d)
 
 
 def run_streamed(cmd: list[str], log) -> str:
