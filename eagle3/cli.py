@@ -87,7 +87,7 @@ def _replay_set(a) -> None:
     d = build_replay_set(a.model, a.prompts, cfg.limit, cfg.max_new_tokens, cfg.aux_layer_ids, cache=cfg.cache,
                          trust_remote_code=a.trust_remote_code,
                          progress=lambda m: print(m, file=sys.stderr, flush=True))
-    print(d)  # the last line names the set (the train task reads it)
+    print(d)  # the last line names the set
 
 
 def _verify(a) -> None:
