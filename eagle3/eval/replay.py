@@ -165,11 +165,8 @@ def _aux_states(base, turns, aux_ids, path, batch_tokens, packed) -> tuple[list[
     return [out[str(i)] for i in range(len(turns))], time.perf_counter() - t0
 
 
-def replay_set_dir(model_dir: str | Path, prompts: str | Path, limit: int, max_new: int,
-                   aux_ids: Sequence[int] | None, tail: int = 8, trust_remote_code: bool = False,
-                   cache: str | Path | None = None, device: str | None = None) -> tuple[Path, list[int], bool]:
-    """Where the replay set of these inputs lives (content-cached), its aux layer ids, and whether it is
-    built there already; reads the tokenizer and the prompts, never the model's weights."""
+def _plan(model_dir, prompts, limit, max_new, aux_ids, tail, trust_remote_code, cache, device):
+    """(target, conversations, aux ids, device, the set's content-cached dir): all but the model's weights."""
     from eagle3.eval.prompts import load_prompts
     from eagle3.model.target import Target, check_aux_ids, default_aux_ids
 
@@ -179,7 +176,16 @@ def replay_set_dir(model_dir: str | Path, prompts: str | Path, limit: int, max_n
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     d = cache_dir(target, convs, max_new, tail, dev.type, torch.bfloat16 if dev.type == "cuda" else torch.float32,
                   Path(cache) if cache else None)  # the dtype `load_model` picks
-    return d, list(aux), (d / TURNS).is_file() and aux_path(d, aux).is_file()
+    return target, convs, list(aux), dev, d
+
+
+def replay_set_dir(model_dir: str | Path, prompts: str | Path, limit: int, max_new: int,
+                   aux_ids: Sequence[int] | None, tail: int = 8, trust_remote_code: bool = False,
+                   cache: str | Path | None = None, device: str | None = None) -> tuple[Path, list[int], bool]:
+    """Where the replay set of these inputs lives (content-cached), its aux layer ids, and whether it is
+    built there already; reads the tokenizer and the prompts, never the model's weights."""
+    _, _, aux, _, d = _plan(model_dir, prompts, limit, max_new, aux_ids, tail, trust_remote_code, cache, device)
+    return d, aux, (d / TURNS).is_file() and aux_path(d, aux).is_file()
 
 
 def build_replay_set(model_dir: str | Path, prompts: str | Path, limit: int, max_new: int,
@@ -188,16 +194,10 @@ def build_replay_set(model_dir: str | Path, prompts: str | Path, limit: int, max
                      progress: Progress | None = None) -> Path:
     """The target's greedy answers to the first `limit` prompts of `prompts` (e.g. a prepared dir's val
     split) and their aux states; returns the (content-cached) dir that `ReplaySet.load` reads."""
-    from eagle3.eval.prompts import load_prompts
-    from eagle3.model.target import Target
-
-    d, aux_ids, built = replay_set_dir(model_dir, prompts, limit, max_new, aux_ids, tail, trust_remote_code, cache,
-                                       device)
-    if built:
-        return d  # no model to load
-    target = Target.open(model_dir, trust_remote_code)
-    convs, _ = load_prompts(prompts, limit)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target, convs, aux_ids, dev, d = _plan(model_dir, prompts, limit, max_new, aux_ids, tail, trust_remote_code,
+                                           cache, device)
+    if (d / TURNS).is_file() and aux_path(d, aux_ids).is_file():
+        return d  # built before: no model to load
     model = target.load_model(head=True, device=dev)
     turns, d, gen_s = continuations(target, model, convs, max_new, tail, cache=Path(cache) if cache else None,
                                     progress=progress)
