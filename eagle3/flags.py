@@ -46,7 +46,6 @@ def comma_list(elem: type):
 
 
 def json_object(text: str) -> dict:
-
     try:
         v = json.loads(text)
     except json.JSONDecodeError as e:
