@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eagle3.stage import Command
 from eagle3.storage.atomic import atomic_dir, atomic_write_json
 from eagle3.storage.hashing import sha256_file
 
@@ -69,3 +70,14 @@ def materialize_smollm2(out: str | Path) -> Path:
         atomic_write_json(tmp / _DONE, {"source": GGUF_NAME, "gguf_sha256": gguf_sha,
                                         "gguf_size": gguf.stat().st_size})
     return out
+
+
+def _main(a) -> None:
+    print(materialize_smollm2(a.out))
+
+
+COMMAND = Command(
+    name="assets", help="materialize the offline demo target model", main=_main,
+    flags=(("name", dict(choices=["smollm2"], help="which asset")),
+           ("--out", dict(required=True, help="output HF model dir"))),
+)

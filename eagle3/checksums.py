@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.flags import UserError
+from eagle3.stage import Command
 from eagle3.storage.hashing import sha256_file_cached
 
 
@@ -84,3 +86,16 @@ def report(root: str | Path, deep: bool, emit) -> int:
             emit(f"    {b}")
         bad += len(f.bad)
     return bad
+
+
+def _main(a) -> None:
+    if bad := report(a.dir, a.deep, print):
+        raise UserError(f"{bad} problem(s) found under {a.dir}")
+
+
+COMMAND = Command(
+    name="verify", help="check every stage dir under DIR against its manifest checksums", main=_main,
+    flags=(("dir", dict(help="a run dir (or one stage dir)")),
+           ("--deep", dict(action="store_true", help="re-read every byte, even of files this host already hashed at "
+                           "their current identity (size, mtime, ctime, inode)"))),
+)

@@ -1,4 +1,4 @@
-"""The eagle3 pipeline as a Prefect flow: prepare -> extract -> verifier -> train -> eval."""
+"""The eagle3 pipeline as a Prefect flow: (regenerate ->) prepare -> extract -> verifier -> train -> eval."""
 from __future__ import annotations
 
 import time
@@ -10,11 +10,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from pydantic import Field
 
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, PrepareConfig
 from eagle3.storage.lock import RunLock
-from eagle3.storage.manifests import EvalReport
+from eagle3.storage.manifests import EvalReport, RegeneratedData
 from flows.stages import run_stage
-from tasks.evaluate import results_table
+from tasks.eval import results_table
 from tasks.extract import stats_table
 from tasks.prepare import counts_table
 from tasks.train import metrics_table
@@ -72,9 +72,7 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
     # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/stages.py); else run here.
     prep_cfg = config.prepare
     if config.regenerate is not None:  # optional stage 0: prepare reads the target's own answers instead
-        from tasks.regenerate import regenerate_stage
-
-        _, prep_cfg = regenerate_stage(config)
+        _, prep_cfg = regenerate(config)
     prepared = run_stage("prepare", dirs["prepare"], model=model, cfg=prep_cfg, trust_remote_code=trc)
     hidden = run_stage("extract", dirs["extract"], model=model, prepared=dirs["prepare"], cfg=config.extract,
                        reuse=reuse, trust_remote_code=trc, wait_for=[prepared])
@@ -89,6 +87,14 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
     # Per-run summary lives in the flow: a cached task does not re-create its artifacts.
     summarize(config, dirs, prepared, hidden, verifier, trained, report)
     return {**dirs, "final": final}, report
+
+
+def regenerate(config: PipelineConfig) -> tuple[RegeneratedData, PrepareConfig]:
+    """Stage 0 into <run_dir>/regenerate: its manifest, and the prepare config that reads its output."""
+    out = config.stage_dir("regenerate")
+    m = run_stage("regenerate", str(out), model=str(config.model), data=config.prepare.data, cfg=config.regenerate,
+                  trust_remote_code=config.trust_remote_code)
+    return m, config.prepare.model_copy(update={"data": str(out / m.file)})
 
 
 def preflight(config: PipelineConfig, max_hours: float = 0.0) -> None:

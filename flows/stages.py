@@ -13,6 +13,7 @@ mid-stage), and the stage's run count shows on the caller's own task run.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from typing import Any, Callable, NamedTuple
@@ -23,33 +24,35 @@ from prefect.context import FlowRunContext, TaskRunContext
 from prefect.deployments import run_deployment
 from pydantic import BaseModel
 
-import tasks.evaluate as evaluate_stage
-import tasks.extract as extract_stage
-import tasks.prepare as prepare_stage
-import tasks.train as train_stage
-import tasks.verifier as verifier_stage
-from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, TrainConfig
+from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
 from eagle3.preflight import hms
+from eagle3.registry import STAGES as LIBRARY
 from eagle3.runtime.heap import PeakRSS
-from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+from eagle3.storage.manifests import (
+    EvalReport,
+    HiddenStates,
+    PreparedData,
+    RegeneratedData,
+    TrainedDraft,
+    VerifierWeights,
+)
 from tasks.train import UserInputError
 
 
 class Stage(NamedTuple):
-    task: Any                                # the Prefect task that runs the stage
+    task: Any                                # the Prefect task that runs the stage: tasks.<name>.<name>_task
     manifest: type                           # what it writes last, and returns
-    publish: Callable[[Any, str], None]      # its artifacts, made by the flow that ran it
+    publish: Callable[[Any, str], None]      # its artifacts, made by the flow that ran it: tasks.<name>.publish
     headline: Callable[[Any], str]           # its key figures in one line, for the log
 
 
-STAGES = {
-    "prepare": Stage(prepare_stage.prepare_task, PreparedData, prepare_stage.publish, prepare_stage.headline),
-    "extract": Stage(extract_stage.extract_task, HiddenStates, extract_stage.publish, extract_stage.headline),
-    "verifier": Stage(verifier_stage.verifier_task, VerifierWeights, verifier_stage.publish, verifier_stage.headline),
-    "train": Stage(train_stage.train_task, TrainedDraft, train_stage.publish, train_stage.headline),
-    "eval": Stage(evaluate_stage.eval_task, EvalReport, evaluate_stage.publish, evaluate_stage.headline),
-}
-GPU_STAGES = ("extract", "train", "eval")
+def _stage(name: str) -> Stage:
+    t = importlib.import_module(f"tasks.{name}")
+    return Stage(getattr(t, f"{name}_task"), LIBRARY[name].manifest, t.publish, LIBRARY[name].headline)
+
+
+STAGES = {name: _stage(name) for name in LIBRARY}  # every registered stage, in pipeline order
+GPU_STAGES = tuple(name for name, s in LIBRARY.items() if s.gpu)
 
 
 def fresh(task, manifest_cls, out):
@@ -148,6 +151,12 @@ def _done(stage: str, m, out: str):
     STAGES[stage].publish(m, out)
     get_run_logger().info("%s: %s", stage, STAGES[stage].headline(m))
     return m
+
+
+@flow(name="eagle3-regenerate")
+def regenerate(model: str, data: str, out: str, cfg: RegenConfig, trust_remote_code: bool = False) -> RegeneratedData:
+    """Stage 0 alone: rewrite every assistant turn of a chat dataset with the target."""
+    return _done("regenerate", own("regenerate", out)(model, data, out, cfg, trust_remote_code), out)
 
 
 @flow(name="eagle3-prepare")

@@ -9,16 +9,10 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
-from eagle3.extract.run import inputs
 from eagle3.storage.manifests import HiddenStates
 from tasks._cache import stage_task
 from tasks._faults import fail_once
 from tasks._gpus import hold_gpus
-
-
-def _key(i: dict[str, Any]) -> dict[str, Any]:
-    return {"format": HiddenStates.format_version,
-            **inputs(i["model"], i["prepared"], i["cfg"], i.get("trust_remote_code", False))}
 
 
 def stats_table(m: HiddenStates) -> list[dict[str, Any]]:
@@ -38,19 +32,13 @@ def stats_table(m: HiddenStates) -> list[dict[str, Any]]:
     ]
 
 
-def headline(m: HiddenStates) -> str:
-    s = m.stats
-    return (f"{m.num_samples:,} samples, {m.num_tokens:,} tokens ({s.get('tokens_computed', 0) or 0:,} computed "
-            f"at {s.get('tokens_per_second')} tok/s), {len(m.shards)} shards")
-
-
 def publish(m: HiddenStates, out: str) -> None:
     """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
     create_table_artifact(stats_table(m), key="extract-stats",
                           description="eagle3 extract: tokens, tok/s, bytes, shards")
 
 
-@stage_task("extract", _key, retries=2, delay=10)
+@stage_task("extract", retries=2, delay=10)
 def extract_task(
     model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
     trust_remote_code: bool = False,

@@ -7,14 +7,9 @@ from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from eagle3.config import PrepareConfig
-from eagle3.prepare import inputs, prepare
+from eagle3.prepare import prepare
 from eagle3.storage.manifests import PreparedData
 from tasks._cache import stage_task
-
-
-def _key(i: dict[str, Any]) -> dict[str, Any]:
-    return {"format": PreparedData.format_version, **inputs(i["model"], i["cfg"], i.get("trust_remote_code", False))}
-
 
 
 def counts_table(m: PreparedData) -> list[dict[str, Any]]:
@@ -33,16 +28,12 @@ def counts_table(m: PreparedData) -> list[dict[str, Any]]:
     return rows
 
 
-def headline(m: PreparedData) -> str:
-    return f"kept {m.records_kept:,} of {m.records_read:,} conversations, {m.num_tokens:,} tokens"
-
-
 def publish(m: PreparedData, out: str) -> None:
     """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
     create_table_artifact(counts_table(m), key="prepare-counts", description="eagle3 prepare: counts")
 
 
-@stage_task("prepare", _key, retries=2, delay=5)
+@stage_task("prepare", retries=2, delay=5)
 def prepare_task(model: str, out: str, cfg: PrepareConfig, trust_remote_code: bool = False) -> PreparedData:
     """Render, mask and tokenize the conversations; build the draft vocab map."""
     log = get_run_logger()

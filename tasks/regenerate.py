@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger
@@ -13,15 +12,10 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from eagle3.config import PipelineConfig, PrepareConfig, RegenConfig
-from eagle3.regenerate.run import FORMAT, inputs, progress_line, regenerate
+from eagle3.config import RegenConfig
+from eagle3.regenerate.run import progress_line, regenerate
 from eagle3.storage.manifests import RegeneratedData
 from tasks._cache import stage_task
-
-
-def _key(i: dict[str, Any]) -> dict[str, Any]:
-    return {"format": [RegeneratedData.format_version, FORMAT],
-            **inputs(i["model"], i["data"], i["cfg"], i.get("trust_remote_code", False))}
 
 
 def stats_table(m: RegeneratedData) -> list[dict[str, Any]]:
@@ -54,7 +48,7 @@ def samples_markdown(m: RegeneratedData) -> str:
     return "\n".join(md)
 
 
-@stage_task("regenerate", _key, retries=2, delay=10)
+@stage_task("regenerate", retries=2, delay=10)
 def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig,
                     trust_remote_code: bool = False) -> RegeneratedData:
     """Rewrite every assistant turn of `data` with the target (a retry resumes at the last committed chunk)."""
@@ -79,17 +73,8 @@ def regenerate_task(model: str, data: str, out: str, cfg: RegenConfig,
     return m
 
 
-def regenerate_stage(config: PipelineConfig) -> tuple[RegeneratedData, PrepareConfig]:
-    """Stage 0 of the pipeline into <run_dir>/regenerate: the manifest, and the prepare config that reads its output.
-
-    Called from the flow, so its artifacts (records, tok/s, samples side by side) are made on every run,
-    cached or not (a cached task does not rerun its body).
-    """
-    out = str(config.stage_dir("regenerate"))
-    # A cached result whose output dir is gone must rerun, not return a dangling manifest.
-    t = regenerate_task if RegeneratedData.exists(out) else regenerate_task.with_options(refresh_cache=True)
-    m = t(str(config.model), config.prepare.data, out, config.regenerate, config.trust_remote_code)
+def publish(m: RegeneratedData, out: str) -> None:
+    """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
     create_table_artifact(stats_table(m), key="regenerate-stats", description="eagle3 regenerate: records, tok/s")
     create_markdown_artifact(samples_markdown(m), key="regenerate-samples",
                              description="eagle3 regenerate: original vs regenerated answers")
-    return m, config.prepare.model_copy(update={"data": str(Path(out) / m.file)})

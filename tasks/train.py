@@ -18,15 +18,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from eagle3.config import TrainConfig
 from eagle3.eval.replay import replay_set_dir
 from eagle3.storage.manifests import HiddenStates, TrainedDraft
-from eagle3.train.__main__ import command
-from eagle3.train.loop import inputs
+from eagle3.train.launch import command
 from tasks._cache import stage_task
 from tasks._gpus import hold_gpus
-
-
-def _key(i: dict[str, Any]) -> dict[str, Any]:
-    # the replay set (when built) follows from the target and the prepared data (both behind `hidden`) and cfg
-    return {"format": TrainedDraft.format_version, **inputs(i["hidden"], i["verifier"], i["cfg"])}
 
 
 def build_replay(model: str, prepared: str, aux_ids: list[int], cfg: TrainConfig, trust_remote_code: bool, log) -> str:
@@ -110,18 +104,13 @@ def summary_markdown(m: TrainedDraft, out: str) -> str:
             f"Metrics: `{Path(out) / 'metrics.jsonl'}`; curves: `{png}`.\n")
 
 
-def headline(m: TrainedDraft) -> str:
-    replay = f", replay tau {m.best_replay_tau:.3f}" if m.best_replay_tau is not None else ""
-    return f"{m.steps} steps, best simulated tau {m.best_sim_tau:.3f}{replay} at step {m.best_step} ({m.best_metric})"
-
-
 def publish(m: TrainedDraft, out: str) -> None:
     """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
     create_table_artifact(metrics_table(m), key="train-metrics", description="eagle3 train: validation metrics")
     create_markdown_artifact(summary_markdown(m, out), key="train-summary", description="eagle3 train: summary")
 
 
-@stage_task("train", _key, retries=2, delay=10, retry_condition_fn=_retry)
+@stage_task("train", retries=2, delay=10, retry_condition_fn=_retry)
 def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "", model: str = "",
                prepared: str = "", trust_remote_code: bool = False) -> TrainedDraft:
     """Train the draft under torchrun; a retry resumes from the last checkpoint. Given the target and the

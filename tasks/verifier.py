@@ -1,28 +1,18 @@
 """Prefect task for stage 3 (verifier weights)."""
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import get_run_logger
 
 from eagle3.storage.manifests import VerifierWeights
-from eagle3.verifier import extract_verifier, inputs
+from eagle3.verifier import extract_verifier
 from tasks._cache import stage_task
-
-
-def _key(i: dict[str, Any]) -> dict[str, Any]:
-    return {"format": VerifierWeights.format_version, **inputs(i["model"], i["prepared"])}
-
-
-def headline(m: VerifierWeights) -> str:
-    return f"{m.architecture}, tied embeddings: {m.tied_embeddings}"
 
 
 def publish(m: VerifierWeights, out: str) -> None:
     """Nothing to show beyond the log line: the verifier is three tensors of the target."""
 
 
-@stage_task("verifier", _key, retries=2, delay=5)
+@stage_task("verifier", retries=2, delay=5)
 def verifier_task(model: str, prepared: str, out: str) -> VerifierWeights:
     """Read the target's embedding, final norm and lm_head (plus the draft-vocab rows)."""
     m = extract_verifier(model, prepared, out)

@@ -12,7 +12,7 @@ def test_eval_task_writes_report_and_artifacts_and_caches(tiny_llama_dir, tmp_pa
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from tasks.evaluate import eval_task, publish
+    from tasks.eval import eval_task, publish
 
     from test_evaluate import random_draft, write_native
 

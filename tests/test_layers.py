@@ -11,13 +11,13 @@ REPO = Path(__file__).resolve().parents[1]
 GROUPS = [
     ("storage", {"eagle3", "eagle3.storage", "eagle3.runtime"}),  # files, hashes, locks, manifests; host runtime
     ("model", {"eagle3.model"}),  # the target, the draft's forward pass, head formats, capture
-    ("config", {"eagle3.config", "eagle3.flags"}),  # the stages' typed configs, the flags made from them
+    ("config", {"eagle3.config", "eagle3.flags", "eagle3.stage"}),  # typed configs, their flags, the stage face
     ("decoding", {"eagle3.decoding"}),  # greedy decoding, KV cache, CPU linears, chains
     ("data", {"eagle3.data"}),  # conversation readers, normalization, template + loss mask, vocab map
     ("planning", {"eagle3.preflight"}),  # sizes and times of a run before it starts
     ("stages", {"eagle3.regenerate", "eagle3.prepare", "eagle3.extract", "eagle3.verifier", "eagle3.train",
                 "eagle3.eval"}),
-    ("commands", {"eagle3.cli", "eagle3.checksums", "eagle3.assets"}),  # what the user runs
+    ("commands", {"eagle3.cli", "eagle3.registry", "eagle3.checksums", "eagle3.assets"}),  # what the user runs
 ]
 # Stage packages: each may import the groups below it, never another stage.
 STAGES = GROUPS[[g for g, _ in GROUPS].index("stages")][1]

@@ -29,8 +29,8 @@ def _artifact(key: str):
 def test_stage0_cached_on_content_and_prepare_reads_it(tmp_path, tiny_llama_dir, prefect_env):
     from prefect import flow
 
+    from flows.pipeline import regenerate
     from tasks.prepare import prepare_task
-    from tasks.regenerate import regenerate_stage
 
     src = write_source(tmp_path / "chats.jsonl", 5)
     cfg = PipelineConfig(model=str(tiny_llama_dir), run_dir=str(tmp_path / "run"),
@@ -39,7 +39,7 @@ def test_stage0_cached_on_content_and_prepare_reads_it(tmp_path, tiny_llama_dir,
 
     @flow
     def stage0_then_prepare(config: PipelineConfig):
-        m, prep_cfg = regenerate_stage(config)
+        m, prep_cfg = regenerate(config)
         prepared = prepare_task(str(config.model), str(config.stage_dir("prepare")), prep_cfg)
         return m, prep_cfg, prepared
 

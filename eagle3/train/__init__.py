@@ -1,5 +1,63 @@
 """Stage 4: training the draft (loop.py), with its loss (loss.py), data packing (data.py), checkpoints
 (checkpoint.py), metrics (metrics.py) and every torch.distributed call (distributed.py).
 
-`python -m eagle3.train` (or torchrun -m eagle3.train) is the entry point: __main__.py.
+One process trains in the calling process; several go through torchrun (launch.py), whose entry point is
+`python -m eagle3.train` (__main__.py).
 """
+from __future__ import annotations
+
+import subprocess
+
+from eagle3.config import TrainConfig
+from eagle3.flags import UserError
+from eagle3.stage import Stage
+from eagle3.storage.manifests import TrainedDraft
+from eagle3.train.launch import command, run_rank
+from eagle3.train.loop import inputs
+
+__all__ = ["STAGE"]
+
+
+def run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", restart_on_mismatch: bool = False,
+        replay: str | None = None) -> TrainedDraft:
+    """Train `cfg` here (one process) or under torchrun (cfg.nproc_per_node > 1, this host)."""
+    kw = dict(verifier_name=verifier_name, restart_on_mismatch=restart_on_mismatch, replay=replay)
+    if cfg.nproc_per_node == 1:
+        run_rank(cfg, out, hidden=hidden, verifier=verifier, **kw)
+    elif rc := subprocess.call(command(hidden, verifier, out, cfg, **kw)):
+        raise UserError(f"torchrun exited with status {rc}")
+    return TrainedDraft.read(out)
+
+
+def _inputs(cfg: TrainConfig, *, hidden, verifier, **_) -> dict:
+    # the replay set (when built) follows from the target and the prepared data (both behind `hidden`) and cfg
+    return inputs(hidden, verifier, cfg)
+
+
+def summary(m: TrainedDraft) -> dict:
+    return {"steps": m.steps, "best_step": m.best_step, "best_metric": m.best_metric,
+            "best_sim_tau": m.best_sim_tau, "best_replay_tau": m.best_replay_tau, "final": m.final_dir,
+            "export_format": m.export_format}
+
+
+def headline(m: TrainedDraft) -> str:
+    replay = f", replay tau {m.best_replay_tau:.3f}" if m.best_replay_tau is not None else ""
+    return f"{m.steps} steps, best simulated tau {m.best_sim_tau:.3f}{replay} at step {m.best_step} ({m.best_metric})"
+
+
+STAGE = Stage(
+    name="train", help="stage 4: train the EAGLE-3 draft (torchrun for N > 1 processes)",
+    config=TrainConfig, manifest=TrainedDraft, gpu=True,  # not locked here: rank 0 holds the lock
+    aliases={"export_format": "--format"},
+    flags=(
+        ("--hidden", dict(required=True, help="extract stage dir (hidden states)")),
+        ("--verifier", dict(required=True, help="verifier stage dir")),
+        ("--out", dict(required=True, help="output dir: checkpoints/, final/, metrics.jsonl, manifest.json")),
+        ("--verifier-name", dict(default="", help="target name recorded in a speculators export")),
+        ("--restart-on-mismatch", dict(action="store_true", help="clear checkpoints of another config/inputs in "
+                                       "--out instead of refusing to start")),
+        ("--replay", dict(default=None, help="a replay set dir (`eagle3 replay-set`): validation reports replay tau "
+                          "on it and picks the best checkpoint by it (with --replay-prompts above 0)")),
+    ),
+    run=run, inputs=_inputs, summary=summary, headline=headline,
+)

@@ -9,15 +9,10 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.config import EvalConfig
-from eagle3.eval.run import evaluate, inputs
+from eagle3.eval.run import evaluate
 from eagle3.storage.manifests import EvalReport
 from tasks._cache import stage_task
 from tasks._gpus import hold_gpus
-
-
-def _key(i: dict[str, Any]) -> dict[str, Any]:
-    return {"format": EvalReport.format_version,
-            **inputs(i["model"], i["draft"], i["cfg"], i.get("trust_remote_code", False))}
 
 
 def _r(x: float | None, nd: int) -> float | str:
@@ -55,18 +50,13 @@ def report_markdown(m: EvalReport, out: str | Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def headline(m: EvalReport) -> str:
-    return (f"tau {m.acceptance_length:.3f} at k={m.k} on {m.num_prompts} prompts ({m.mode}), lossless "
-            f"{m.lossless}, speedup {_r(m.speedup_vs_target, 2)}x")
-
-
 def publish(m: EvalReport, out: str) -> None:
     """The stage's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
     create_table_artifact(results_table(m), key="eval-results", description="eagle3 eval: tau, speed, lossless")
     create_markdown_artifact(report_markdown(m, out), key="eval-report", description="eagle3 eval: report and plot")
 
 
-@stage_task("eval", _key, retries=1, delay=10)
+@stage_task("eval", retries=1, delay=10)
 def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
     log = get_run_logger()
