@@ -1,8 +1,9 @@
 """The `eagle3` library commands: one per entry of eagle3/registry.py.
 
 Flags are generated from each command's config (field descriptions as help, as in the Prefect form), plus
-the few that are not config fields (eagle3/stage.py). A user error prints one line `eagle3 <cmd>: error: ...` and exits 2 (EAGLE3_DEBUG=1: traceback). `eagle3 run` is
-added by flows/cli.py, the installed entry point: the library imports no flows.
+the few that are not config fields (eagle3/stage.py). A user error prints one line `eagle3 <cmd>: error: ...`
+and exits 2 (EAGLE3_DEBUG=1: traceback). `eagle3 run` is added by flows/cli.py, the installed entry point:
+the library imports no flows.
 """
 from __future__ import annotations
 

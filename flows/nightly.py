@@ -10,8 +10,9 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
-from eagle3.config import FORM, PipelineConfig
+from eagle3.config import PipelineConfig
 from eagle3.data.readers import resolve_source, source_files
+from eagle3.form import FORM
 from eagle3.storage.atomic import atomic_write_json
 from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
 from flows.pipeline import FORM_DEFAULT, run_stages

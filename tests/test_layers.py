@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 GROUPS = [
     ("storage", {"eagle3", "eagle3.storage", "eagle3.runtime"}),  # files, hashes, locks, manifests; host runtime
     ("model", {"eagle3.model"}),  # the target, the draft's forward pass, head formats, capture
-    ("config", {"eagle3.config", "eagle3.flags", "eagle3.stage"}),  # typed configs, their flags, the stage face
+    ("config", {"eagle3.config", "eagle3.form", "eagle3.flags", "eagle3.stage"}),  # typed configs, their run form and
+    # flags, the stage face
     ("decoding", {"eagle3.decoding"}),  # greedy decoding, KV cache, CPU linears, chains
     ("data", {"eagle3.data"}),  # conversation readers, normalization, template + loss mask, vocab map
     ("planning", {"eagle3.preflight"}),  # sizes and times of a run before it starts
@@ -116,3 +117,32 @@ def test_import_graph_has_no_cycle():
         if m not in state and visit(m, [m]):
             break
     assert not cycle, " -> ".join(cycle)
+
+
+def test_every_stage_package_is_registered_once_with_its_whole_face():
+    """Adding a stage is one package with a STAGE: the CLI, the tasks' keys and the flow's table follow."""
+    from eagle3.registry import COMMANDS
+    from eagle3.registry import STAGES as REGISTERED
+    from eagle3.stage import Stage
+
+    assert set(REGISTERED) == {p.removeprefix("eagle3.") for p in STAGES}
+    for name, s in REGISTERED.items():
+        assert isinstance(s, Stage) and s.name == name and COMMANDS[name] is s
+        assert all((s.manifest, s.run, s.inputs, s.summary, s.headline)), name
+        assert (REPO / "tasks" / f"{name}.py").is_file(), f"stage {name} has no Prefect task module"
+
+    from eagle3.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd")
+    assert list(sub.choices) == list(COMMANDS)
+
+
+def test_flow_stage_table_is_the_registry():
+    from eagle3.registry import STAGES as REGISTERED
+    from flows.stages import GPU_STAGES
+    from flows.stages import STAGES as FLOW
+
+    assert list(FLOW) == list(REGISTERED)
+    assert GPU_STAGES == ("extract", "train", "eval")
+    for name, s in FLOW.items():
+        assert s.task.name == name and s.manifest is REGISTERED[name].manifest
