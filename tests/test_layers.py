@@ -4,6 +4,8 @@ graph has no cycle (every module-level and function-level import counts)."""
 from __future__ import annotations
 
 import ast
+import importlib
+import pkgutil
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,6 +132,12 @@ def test_every_stage_package_is_registered_once_with_its_whole_face():
         assert isinstance(s, Stage) and s.name == name and COMMANDS[name] is s
         assert all((s.manifest, s.run, s.inputs, s.summary, s.headline)), name
         assert (REPO / "tasks" / f"{name}.py").is_file(), f"stage {name} has no Prefect task module"
+        # a name in the package's face must not shadow a submodule (`import eagle3.extract.run as er`)
+        pkg = importlib.import_module(f"eagle3.{name}")
+        for sub in pkgutil.iter_modules(pkg.__path__):
+            if sub.name != "__main__":
+                mod = importlib.import_module(f"eagle3.{name}.{sub.name}")
+                assert getattr(pkg, sub.name) is mod, f"eagle3.{name}.{sub.name} is shadowed in the package"
 
     from eagle3.cli import build_parser
 

@@ -15,7 +15,7 @@ def _console(i: int, n: int) -> None:
     print(f"eval: {i}/{n} prompts", file=sys.stderr, flush=True)
 
 
-def run(out, cfg: EvalConfig, *, model, draft, trust_remote_code: bool = False, progress=None) -> EvalReport:
+def _run(out, cfg: EvalConfig, *, model, draft, trust_remote_code: bool = False, progress=None) -> EvalReport:
     """A progress callback (prompts done, total) replaces the console's line per prompt."""
     return evaluate(model, draft, out, cfg, trust_remote_code=trust_remote_code, progress=progress or _console)
 
@@ -43,7 +43,7 @@ STAGE = Stage(
     flags=(MODEL, ("--draft", dict(required=True,
                                    help="draft dir: our final/, a native vLLM EAGLE-3 dir or a speculators dir")),
            OUT, TRUST),
-    run=run, inputs=_inputs, summary=summary, headline=headline,
+    run=_run, inputs=_inputs, summary=summary, headline=headline,
 )
 
 

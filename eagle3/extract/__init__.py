@@ -15,7 +15,7 @@ from eagle3.storage.manifests import HiddenStates
 __all__ = ["STAGE", "run_extract"]
 
 
-def run(out, cfg: ExtractConfig, *, model, prepared, reuse=(), trust_remote_code: bool = False,
+def _run(out, cfg: ExtractConfig, *, model, prepared, reuse=(), trust_remote_code: bool = False,
         progress=None) -> HiddenStates:
     """A progress callback (tokens done, total) replaces the console's bar."""
     return run_extract(model, prepared, out, cfg, reuse=list(reuse or []), progress=progress,
@@ -42,5 +42,5 @@ STAGE = Stage(
     config=ExtractConfig, manifest=HiddenStates, locked=True, gpu=True,
     aliases={"aux_layer_ids": "--aux-layers", "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp"},
     flags=(MODEL, PREPARED, OUT, TRUST, REUSE),
-    run=run, inputs=_inputs, summary=summary, headline=headline,
+    run=_run, inputs=_inputs, summary=summary, headline=headline,
 )

@@ -27,7 +27,7 @@ def headline(m: PreparedData) -> str:
     return f"kept {m.records_kept:,} of {m.records_read:,} conversations, {m.num_tokens:,} tokens"
 
 
-def run(out, cfg: PrepareConfig, *, model, trust_remote_code: bool = False, progress: bool = True) -> PreparedData:
+def _run(out, cfg: PrepareConfig, *, model, trust_remote_code: bool = False, progress: bool = True) -> PreparedData:
     return prepare(model, out, cfg, progress=progress, trust_remote_code=trust_remote_code)
 
 
@@ -48,5 +48,5 @@ STAGE = Stage(
     flags=(MODEL, OUT, TRUST),
     options=(("--show", dict(type=int, default=0, metavar="N",
                              help="print N samples with the trainable (loss-masked) spans highlighted")),),
-    run=run, inputs=_inputs, summary=summary, headline=headline,
+    run=_run, inputs=_inputs, summary=summary, headline=headline,
 )

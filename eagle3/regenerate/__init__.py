@@ -22,7 +22,7 @@ def _console(p: dict) -> None:
     print(progress_line(p), file=sys.stderr, flush=True)
 
 
-def run(out, cfg: RegenConfig, *, model, data, reuse=(), trust_remote_code: bool = False,
+def _run(out, cfg: RegenConfig, *, model, data, reuse=(), trust_remote_code: bool = False,
         progress=None) -> RegeneratedData:
     """A progress callback (the counts so far) replaces the console's line per chunk."""
     return regenerate(model, data, out, cfg, reuse=reuse or (), trust_remote_code=trust_remote_code,
@@ -58,5 +58,5 @@ STAGE = Stage(
     flags=(MODEL, ("--data", dict(required=True, help="ShareGPT JSON, JSONL, Parquet, HF datasets dir, or 'sharegpt'")),
            OUT, TRUST, REUSE),
     options=(("--threads", dict(type=int, help="hf on CPU: torch threads (default: torch's)")),),
-    run=run, inputs=_inputs, summary=summary, headline=headline,
+    run=_run, inputs=_inputs, summary=summary, headline=headline,
 )

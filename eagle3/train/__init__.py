@@ -18,7 +18,7 @@ from eagle3.train.loop import inputs
 __all__ = ["STAGE"]
 
 
-def run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", restart_on_mismatch: bool = False,
+def _run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", restart_on_mismatch: bool = False,
         replay: str | None = None) -> TrainedDraft:
     """Train `cfg` here (one process) or under torchrun (cfg.nproc_per_node > 1, this host)."""
     kw = dict(verifier_name=verifier_name, restart_on_mismatch=restart_on_mismatch, replay=replay)
@@ -59,5 +59,5 @@ STAGE = Stage(
         ("--replay", dict(default=None, help="a replay set dir (`eagle3 replay-set`): validation reports replay tau "
                           "on it and picks the best checkpoint by it (with --replay-prompts above 0)")),
     ),
-    run=run, inputs=_inputs, summary=summary, headline=headline,
+    run=_run, inputs=_inputs, summary=summary, headline=headline,
 )

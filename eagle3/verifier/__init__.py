@@ -13,7 +13,7 @@ from eagle3.verifier.run import OUT_FILE, extract_verifier, inputs
 __all__ = ["OUT_FILE", "STAGE", "extract_verifier", "inputs"]
 
 
-def run(out, cfg: None = None, *, model, prepared) -> VerifierWeights:
+def _run(out, cfg: None = None, *, model, prepared) -> VerifierWeights:
     return extract_verifier(model, prepared, out)
 
 
@@ -33,5 +33,5 @@ def headline(m: VerifierWeights) -> str:
 STAGE = Stage(
     name="verifier", help="stage 3: read the target's embedding, final norm and lm_head",
     manifest=VerifierWeights, locked=True, flags=(MODEL, PREPARED, OUT),
-    run=run, inputs=_inputs, summary=summary, headline=headline,
+    run=_run, inputs=_inputs, summary=summary, headline=headline,
 )
