@@ -53,7 +53,7 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
 bench: $(VENV)/.installed $(ASSETS)/config.json
-	$(PY) benchmarks/prepare.py
+	$(PY) -m benchmarks.speed.prepare
 
 clean:
 	rm -rf $(VENV) runs assets

@@ -17,7 +17,7 @@ of memory or out of time records why, and the next one still runs):
              an fp32 (smoke: fp64) reference.
   extract    the hf extraction stage (run_extract) on a random-init Llama of Llama-3.2-1B's shape:
              the stage's tok/s over bare forwards of the same batches in the same run
-             (benchmarks/extract.py's TimedHF), and stored bytes per token over 4*H*2.
+             (benchmarks/speed/extract.py's TimedHF), and stored bytes per token over 4*H*2.
   evaluator  `eagle3 eval`'s own code path (eagle3.eval.run.evaluate) with a bf16 target and
              draft: the draft's rotary cos/sin tables equal the fp32 ones; lossless on a random
              target (a mismatch counts only if it is not a near-tie of the target's logits); and
@@ -35,11 +35,12 @@ included). Exit status 1 when a check fails or a section errs or times out.
 On an H200 machine without network access (an image with torch, transformers, pyarrow,
 safetensors, pyyaml, pytest but no pydantic): first, here, `benchmarks/fetch_gpu_wheels.sh`
 (writes the ignored folder .gpu/: pydantic's wheels for Python 3.12 and the small test assets
-the gpu tests need), then, on the GPU machine, with the checkout and .gpu/ copied there (allow ~540 s):
+the gpu tests need), then, on the GPU machine, with the checkout and .gpu/ copied there, from the
+checkout's root (`-m` puts it on the import path: eagle3 is imported from the checkout, not installed; allow ~540 s):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       .gpu/wheels/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 || exit; \
-    python3 benchmarks/gpu_check.py --out $OUT
+    python3 -m benchmarks.gpu_check --out $OUT
 
 A rerun of some sections only: `--sections trainer attention`.
 `--smoke`: tiny shapes on the CPU, every section, well under a minute (tests/test_gpu_check.py).
@@ -66,9 +67,7 @@ import time
 import warnings
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path[:0] = [str(REPO), str(HERE)]
+REPO = Path(__file__).resolve().parents[1]
 
 H200_BF16_TFLOPS = 989.0  # dense bf16, the vendor's datasheet (H100 / H200 SXM)
 ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -443,14 +442,13 @@ def extract(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
+    from benchmarks.speed.extract import TimedHF
     from eagle3.config import ExtractConfig, PrepareConfig
     from eagle3.extract import run_extract
     from eagle3.extract.hf import HFBackend
     from eagle3.model.target import Target
     from eagle3.prepare import prepare
     from eagle3.storage.store import open_store
-
-    from extract import TimedHF  # benchmarks/extract.py
 
     class Timed(TimedHF):
         extract = HFBackend.extract  # TimedHF's keeps an fp32 copy of every state for its fp8 replays: not here
@@ -766,13 +764,15 @@ def skipped(obj, path: str = "") -> list[str]:
 def run_section(name: str, a, budget: float, work: Path, log) -> dict:
     """One section in a child process, its output streamed with a prefix; killed at its budget."""
     result = work / f"{name}.json"
-    cmd = [sys.executable, __file__, "--child", name, "--result", str(result), "--work", str(work / name)]
+    cmd = [sys.executable, "-m", __spec__.name, "--child", name, "--result", str(result), "--work", str(work / name)]
     cmd += ["--smoke"] * a.smoke
     t = time.monotonic()
     quiet = {"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
              "TOKENIZERS_PARALLELISM": "false"}  # no weight-loading bars and notes in the log
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **quiet},
-                         start_new_session=True)  # its own process group: a budget stop reaches its children too
+    # cwd: the repo root, where `-m benchmarks.gpu_check` finds the package (and eagle3 next to it);
+    # start_new_session: its own process group, so a budget stop reaches its children too
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, **quiet}, start_new_session=True)
     killed = threading.Event()
 
     def signal_group(sig) -> None:

@@ -1,6 +1,6 @@
 """Run every benchmark and write benchmarks/RESULTS.md: figures, machine, date and commit.
 
-    .venv/bin/python benchmarks/run_all.py [--only prepare train ...] [--quick]
+    .venv/bin/python -m benchmarks.run_all [--only prepare train ...] [--quick]
 
 Each benchmark is its own process; its last stdout line is one JSON object, copied into the
 results verbatim (flattened into a table), next to the command that produced it. With --only,
@@ -23,18 +23,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
+# section name in RESULTS.md: the module that prints its figures (run as `python -m` from the repo root)
 BENCHES = {
-    "prepare": ["prepare.py"],
-    "extract": ["extract.py"],
-    "ttt_attention": ["ttt_attention.py"],
-    "train": ["train.py"],
-    "regenerate": ["regenerate.py"],
-    "cpu_linear": ["cpu_linear.py"],
-    "heap": ["heap.py"],
-    "faults": ["faults.py"],
-    "families": ["families.py"],
-    "verify_on_read": ["verify_on_read.py"],
-    "load": ["load.py"],
+    "prepare": "benchmarks.speed.prepare",
+    "extract": "benchmarks.speed.extract",
+    "ttt_attention": "benchmarks.speed.ttt_attention",
+    "train": "benchmarks.speed.train",
+    "regenerate": "benchmarks.speed.regenerate",
+    "cpu_linear": "benchmarks.speed.cpu_linear",
+    "heap": "benchmarks.speed.heap",
+    "faults": "benchmarks.drills.faults",
+    "families": "benchmarks.drills.families",
+    "verify_on_read": "benchmarks.speed.verify_on_read",
+    "load": "benchmarks.drills.load",
 }
 QUICK = {  # smaller settings for a smoke run of this script itself
     "prepare": ["--limit", "200"],
@@ -94,7 +95,7 @@ def earlier_sections(path: Path) -> dict[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
@@ -105,17 +106,14 @@ def main() -> None:
     stamp = f"Ran {now} at commit `{commit}`{' (quick settings)' if a.quick else ''}."
     kept = earlier_sections(Path(a.out))
     sections = {}
-    for name, script in BENCHES.items():
+    for name, module in BENCHES.items():
         if a.only and name not in a.only:
             continue
-        path = HERE / script[0]
-        if not path.is_file():
-            continue
-        cmd = [sys.executable, str(path), *script[1:], *(QUICK.get(name, []) if a.quick else [])]
+        cmd = [sys.executable, "-m", module, *(QUICK.get(name, []) if a.quick else [])]
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         wall = time.perf_counter() - t0
-        shown = " ".join([".venv/bin/python", f"benchmarks/{script[0]}", *cmd[2:]])
+        shown = " ".join([".venv/bin/python", *cmd[1:]])
         if p.returncode:
             sections[name] = (f"## {name}\n\n{stamp} `{shown}` failed (exit {p.returncode}):\n\n"
                               f"```\n{p.stderr[-1500:]}\n```\n")
@@ -134,7 +132,6 @@ def main() -> None:
     # runs) as it was, in its order: a rerun never drops figures it did not produce
     order = [n for n in BENCHES if n in sections or n in kept] + [n for n in kept if n not in BENCHES]
     body = [sections.get(n) or kept[n] for n in order]
-    sys.path.insert(0, str(REPO))
     from eagle3.storage.atomic import atomic_write_text
 
     atomic_write_text(Path(a.out), head + "\n" + "\n".join(body))

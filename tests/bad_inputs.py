@@ -1,6 +1,6 @@
 """The bad-input corpus: malformed inputs across every stage, each with the clean outcome it must get.
 
-Shared by tests/test_bad_inputs.py (in process) and benchmarks/faults.py (real subprocesses). A case
+Shared by tests/test_bad_inputs.py (in process) and benchmarks/drills/faults.py (real subprocesses). A case
 writes its bad input under a fresh dir and returns an `eagle3` command line. It is handled cleanly
 when the command either
 - fails with exit status != 0, no traceback, and an `eagle3 <cmd>...error:` line that matches

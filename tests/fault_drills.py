@@ -1,4 +1,4 @@
-"""Fault drills shared by tests/test_faults.py (a subset) and benchmarks/faults.py (the full matrix).
+"""Fault drills shared by tests/test_faults.py (a subset) and benchmarks/drills/faults.py (the full matrix).
 
 A drill runs a real `eagle3` stage process with EAGLE3_KILL_AT set, checks that it died of
 SIGKILL at that point, reruns the same command, and compares the result with an uninterrupted

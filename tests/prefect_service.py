@@ -1,4 +1,4 @@
-"""A real eagle3 service for tests/test_deployments.py and benchmarks/load.py: `prefect server start` with
+"""A real eagle3 service for tests/test_deployments.py and benchmarks/drills/load.py: `prefect server start` with
 basic auth on, pools + the `gpus` limit (deployments/setup.py), deployments/prefect.yaml deployed, one
 process worker per pool; and what both read back through the API: runs, GPU intervals, output checksums.
 """

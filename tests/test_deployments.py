@@ -9,7 +9,7 @@ One test, in order (each run builds on the last):
      training warm-starts from A's draft with A's vocab map, and the promotion decision is an artifact.
   D. load, with the `gpus` limit at 1: three runs submitted at once queue on it (their GPU stages never
      overlap, by the server's events), a second run on a busy run dir is refused naming the holder, and
-     every output equals the same run done alone (benchmarks/load.py is the larger drill).
+     every output equals the same run done alone (benchmarks/drills/load.py is the larger drill).
 B, C and D run their stages in the cpu worker's flow runs (EAGLE3_GPU_DEPLOYMENT="" per run); A covers
 the hop. The server has basic auth on throughout.
 """

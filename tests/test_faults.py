@@ -1,7 +1,7 @@
 """Fault injection: SIGKILL at chosen points of extraction, shard commits, training and checkpoint
 saves; a full disk; corrupted files; a Prefect task killed mid-run. After each fault the rerun
 must equal the uninterrupted run (shard sha256s; loss trajectory and exported weights).
-benchmarks/faults.py runs the larger matrix with the same drills (tests/fault_drills.py)."""
+benchmarks/drills/faults.py runs the larger matrix with the same drills (tests/fault_drills.py)."""
 from __future__ import annotations
 
 import json
@@ -52,7 +52,7 @@ def test_malformed_kill_spec_is_refused():
     ("checkpoint save", "file.written@meta.json:3"),  # between the files of one checkpoint
     ("checkpoint save", "dir.written@best:1"),      # every file of `best` written, the dir not renamed
     # the checkpoint of an epoch's last step (16) is saved before the epoch-end validation, which the
-    # killed run logged: the resume must not log it twice (found by benchmarks/faults.py)
+    # killed run logged: the resume must not log it twice (found by benchmarks/drills/faults.py)
     ("training", "train.step:17"),
     # inside the tensor write itself: a shard with its header and ids on disk, its states not; a
     # checkpoint's weights half written; its optimizer state half written

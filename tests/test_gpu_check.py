@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py --smoke: every section of the GPU check runs on the CPU at tiny shapes, so the
+"""`python -m benchmarks.gpu_check --smoke`: every section of the GPU check runs on the CPU at tiny shapes, so the
 script the GPU machine runs never rots; its equalities are asserted here from the figures it records."""
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ SECTIONS = ["trainer", "attention", "extract", "evaluator", "gpu_tests"]
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(out)],
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, cwd=REPO, timeout=900)
     assert (out / "gpu_check.json").is_file(), p.stdout[-3000:] + p.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     return p, report, out

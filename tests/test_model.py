@@ -57,7 +57,7 @@ def test_config_from_smollm2(smollm2_dir):
     assert c.rope_theta == 1e5 and c.rope_scaling is None
     assert c.aux_layer_ids == (2, 15, 27)  # vLLM's (2, N//2, N-3) for N = 30
     assert c.rms_norm_eps == pytest.approx(1e-5)
-    # the measured defaults (benchmarks/norm_switches.py), the same in the draft and trainer configs
+    # the measured defaults (benchmarks/experiments/norm_switches.py), the same in the draft and trainer configs
     from eagle3.config import TrainConfig
 
     t = TrainConfig()

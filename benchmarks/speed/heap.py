@@ -10,7 +10,7 @@ process): the best of the repeats counts, since load from other processes only e
   ids, 256-1024 tokens per sample.
 Per run: tokens/s, kernel (system) CPU seconds, minor page faults per step, RSS at the end, peak RSS.
 
-    .venv/bin/python benchmarks/heap.py [--steps 8] [--repeats 2] [--threads 2] [--only train,extract]
+    .venv/bin/python -m benchmarks.speed.heap [--steps 8] [--repeats 2] [--threads 2] [--only train,extract]
 Last line: one JSON object {workload: {mode: best run}, ratio}.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "assets" / "smollm2"
 SMOLLM2 = dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, vocab_size=49152,
@@ -118,7 +118,6 @@ def main() -> None:
     ap.add_argument("--child", default=None)
     a = ap.parse_args()
     if a.child:
-        sys.path.insert(0, str(REPO))
         if a.threads:
             import torch
 
@@ -130,9 +129,11 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"release": [], "retain": []}
         for _ in range(a.repeats):
             for mode in runs:
-                cmd = [sys.executable, __file__, "--child", w, "--steps", str(a.steps), "--warmup", str(a.warmup)]
+                cmd = [sys.executable, "-m", __spec__.name, "--child", w, "--steps", str(a.steps),
+                       "--warmup", str(a.warmup)]
                 cmd += ["--threads", str(a.threads)] if a.threads else []
-                p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, EAGLE3_HEAP=mode))
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                                   env=dict(os.environ, EAGLE3_HEAP=mode))
                 if p.returncode:
                     raise SystemExit(f"{w} {mode}: {p.stderr.strip().splitlines()[-1:]}")
                 r = json.loads(p.stdout.strip().splitlines()[-1])

@@ -10,7 +10,7 @@ Prints, then one JSON object as the last line:
   without it, from `eagle3 eval --backend vllm` (the two engines decode the same prompts in turn):
   tokens/s each, the speedup, tau and whether the output was lossless.
 
-    .venv/bin/python benchmarks/vllm_cpu.py [--limit 40] [--draft runs/demo/train/final] [--prompts 4]
+    .venv/bin/python -m benchmarks.speed.vllm_cpu [--limit 40] [--draft runs/demo/train/final] [--prompts 4]
 """
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ from eagle3.extract import run_extract
 from eagle3.prepare import prepare
 from eagle3.runtime.vllm_engine import import_vllm, shutdown, start_engine
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+FEATURE = "benchmarks.speed.vllm_cpu"  # named in the error when vLLM is not installed
 
 
 def start_seconds(model: str, eager: bool) -> float:
-    import_vllm("benchmarks/vllm_cpu.py")  # the import is not part of an engine's start
+    import_vllm(FEATURE)  # the import is not part of an engine's start
     t0 = time.perf_counter()
-    llm = start_engine("benchmarks/vllm_cpu.py", model=model, dtype="float32", max_model_len=2048, enforce_eager=eager)
+    llm = start_engine(FEATURE, model=model, dtype="float32", max_model_len=2048, enforce_eager=eager)
     s = time.perf_counter() - t0
     shutdown(llm)
     return s

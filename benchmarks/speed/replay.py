@@ -18,7 +18,7 @@ Without `--draft` only the caches are built (aux ids: `--aux-layers` or the targ
 `eagle3 eval` built them before (1 thread, the aux forward on torch's stock linears) and as it builds
 them now (`--threads` threads, the aux forward on oneDNN-prepacked linears), and compares the results.
 
-    .venv/bin/python benchmarks/replay.py --draft runs/demo/train/final [--prompts mt-bench] [--k 3]
+    .venv/bin/python -m benchmarks.speed.replay --draft runs/demo/train/final [--prompts mt-bench] [--k 3]
         [--max-new-tokens 256] [--batch-size 128] [--threads 2] [--replay-threads 1,2] [--live 3]
 
 Last line: one JSON object with every figure.
@@ -29,22 +29,20 @@ import argparse
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from eagle3.decoding.chains import proposals, walk
+from eagle3.eval.decode import DraftProposer, Stats, TargetLM, speculative_generate
+from eagle3.eval.prompts import load_prompts
+from eagle3.eval.replay import aux_states, continuations, replay
+from eagle3.eval.run import cast_draft
+from eagle3.model.formats import load_draft
+from eagle3.model.target import Target, default_aux_ids
 
-from eagle3.decoding.chains import proposals, walk  # noqa: E402
-from eagle3.eval.decode import DraftProposer, Stats, TargetLM, speculative_generate  # noqa: E402
-from eagle3.eval.prompts import load_prompts  # noqa: E402
-from eagle3.eval.replay import aux_states, continuations, replay  # noqa: E402
-from eagle3.eval.run import cast_draft  # noqa: E402
-from eagle3.model.formats import load_draft  # noqa: E402
-from eagle3.model.target import Target, default_aux_ids  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def peak_rss_gib() -> float:

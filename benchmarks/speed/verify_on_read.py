@@ -2,7 +2,7 @@
 trusting it. Before: each rank re-hashed each shard on every start. Now: once per host and file
 identity (a stamp keyed by path, size, mtime, ctime, inode), the other ranks waiting for it.
 
-    python benchmarks/verify_on_read.py [--gib 2.2] [--ranks 8] [--repeats 3]
+    python -m benchmarks.speed.verify_on_read [--gib 2.2] [--ranks 8] [--repeats 3]
 
 Builds a real store of at least --gib GiB: ShareGPT conversations (up to 512 tokens) prepared with
 SmolLM2's tokenizer and template, hidden states extracted by `eagle3 extract` in fp32 from a random
@@ -31,8 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 RANK = r"""
 import json, os, random, sys, time

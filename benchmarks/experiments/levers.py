@@ -5,7 +5,7 @@ one replay evaluation of its exported head (`eagle3 eval --mode replay`, k=3 and
 levers, k=5; 256 new tokens; the MT-Bench continuation cache is built once, content-keyed). Levers
 that do not change the data reuse one extraction (`--extract`, `--verifier`, `--prepare`); the
 draft-vocab levers re-run only `prepare` (a new vocab map) and `verifier`; the on-policy lever
-trains on the extract dir given by `--regen-extract` (benchmarks/onpolicy.py builds it).
+trains on the extract dir given by `--regen-extract` (benchmarks/experiments/onpolicy.py builds it).
 
 Runs go one at a time, each in its own process with `--threads` torch threads; every run's train and
 eval output stays under `--root/<lever>/`, and a finished run is not redone (delete its dir to rerun).
@@ -13,10 +13,11 @@ Compute is reported as the CPU seconds of the training process (on a shared mach
 measures the neighbours) next to the wall time. Results: `--root/results.jsonl` (one line per run) and the
 markdown table of every run in it on stdout. Last line: one JSON object.
 
-    .venv/bin/python benchmarks/levers.py --prepare runs/base/prepare --extract runs/base/extract \\
+    .venv/bin/python -m benchmarks.experiments.levers --prepare runs/base/prepare --extract runs/base/extract \\
         --verifier runs/base/verifier --root runs/levers --threads 1 [--only baseline,lk] [--list]
-    .venv/bin/python benchmarks/levers.py --root runs/levers --score demo=runs/demo/train   # a head trained elsewhere
-    .venv/bin/python benchmarks/levers.py --root runs/levers --table   # every run so far, as a table
+    .venv/bin/python -m benchmarks.experiments.levers --root runs/levers \\
+        --score demo=runs/demo/train   # a head trained elsewhere
+    .venv/bin/python -m benchmarks.experiments.levers --root runs/levers --table   # every run so far, as a table
 """
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 # The demo preset's training settings at one epoch: the baseline every lever changes one thing of.
 BASE = {"ttt_steps": 3, "step_decay": 0.8, "epochs": 1, "pack_tokens": 2048, "lr": 1e-3, "warmup_steps": 10,

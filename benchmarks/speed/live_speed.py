@@ -10,7 +10,7 @@ step), of k+1 tokens (a verify pass), and the draft's proposal of k tokens. With
 times, a round costs tv + td and yields tau tokens, so the expected speedup is tau * t1 / (tv + td)
 (Python overhead between calls not included). Last line: one JSON object.
 
-    .venv/bin/python benchmarks/live_speed.py --draft runs/demo/train/final [--ks 1,2,3] [--limit 4]
+    .venv/bin/python -m benchmarks.speed.live_speed --draft runs/demo/train/final [--ks 1,2,3] [--limit 4]
         [--max-new-tokens 128] [--threads 2] [--kernels stock,packed]
 """
 from __future__ import annotations
@@ -25,15 +25,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from eagle3.decoding.cpu_linear import packed_linears
+from eagle3.eval.decode import DraftProposer, TargetLM, measure
+from eagle3.eval.prompts import load_prompts
+from eagle3.eval.run import cast_draft
+from eagle3.model.formats import load_draft
+from eagle3.model.target import Target, prompt_ids
 
-from eagle3.decoding.cpu_linear import packed_linears  # noqa: E402
-from eagle3.eval.decode import DraftProposer, TargetLM, measure  # noqa: E402
-from eagle3.eval.prompts import load_prompts  # noqa: E402
-from eagle3.eval.run import cast_draft  # noqa: E402
-from eagle3.model.formats import load_draft  # noqa: E402
-from eagle3.model.target import Target, prompt_ids  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def timed(fn, n: int) -> float:

@@ -8,7 +8,7 @@ load hits each alike, and each kernel's ratio to stock at that row count. What m
 speculative decoding is the verify cost against a 1-row step: the row "vs 1 row" prints it per kernel.
 Last line: one JSON object.
 
-    .venv/bin/python benchmarks/cpu_linear.py [--threads 1] [--rows 1,2,3,4,5,6,16,32,64,400] [--repeats 9]
+    .venv/bin/python -m benchmarks.speed.cpu_linear [--threads 1] [--rows 1,2,3,4,5,6,16,32,64,400] [--repeats 9]
 """
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from eagle3.decoding.cpu_linear import PackedLinear, available
+from eagle3.model.target import Target
 
-from eagle3.decoding.cpu_linear import PackedLinear, available  # noqa: E402
-from eagle3.model.target import Target  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ batched fast tokenization, mask, Parquet, vocab map), and, side by side in the s
 a naive baseline that calls `apply_chat_template(tokenize=True)` once per conversation
 (no mask at all), so the ratio is robust to machine noise. Last line: one JSON object.
 
-    .venv/bin/python benchmarks/prepare.py [--limit 2000] [--model assets/smollm2]
+    .venv/bin/python -m benchmarks.speed.prepare [--limit 2000] [--model assets/smollm2]
 """
 from __future__ import annotations
 
@@ -13,20 +13,18 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from eagle3.assets import materialize_smollm2
+from eagle3.config import PrepareConfig
+from eagle3.data.normalize import conversations
+from eagle3.data.readers import ReadStats, iter_source, resolve_source
+from eagle3.model.target import Target
+from eagle3.prepare import prepare
 
-from eagle3.assets import materialize_smollm2  # noqa: E402
-from eagle3.config import PrepareConfig  # noqa: E402
-from eagle3.data.normalize import conversations  # noqa: E402
-from eagle3.data.readers import ReadStats, iter_source, resolve_source  # noqa: E402
-from eagle3.model.target import Target  # noqa: E402
-from eagle3.prepare import prepare  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def naive(model: Path, limit: int, max_len: int) -> tuple[float, int, int]:

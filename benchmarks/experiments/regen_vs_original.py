@@ -7,18 +7,16 @@ and evaluated on MT-Bench with the HF chain decoder. Prints simulated tau (val) 
 for both. Stage dirs are cached in --work, so a rerun only redoes what is missing.
 Last line: one JSON object.
 
-    .venv/bin/python benchmarks/regen_vs_original.py [--n 160] [--max-new 160] [--steps 60]
+    .venv/bin/python -m benchmarks.experiments.regen_vs_original [--n 160] [--max-new 160] [--steps 60]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def first_exchanges(n: int, out: Path) -> Path:

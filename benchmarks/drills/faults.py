@@ -3,7 +3,7 @@ kills that land inside the work, a full disk during extraction and during a chec
 extract disk preflight, a Prefect task killed mid-run, and the whole bad-input corpus; every recovery
 compared with the uninterrupted run.
 
-    python benchmarks/faults.py [--per-stage 20] [--random 4]
+    python -m benchmarks.drills.faults [--per-stage 20] [--random 4]
 
 Target: the tiny random Llama (6 layers, H=64) with SmolLM2's tokenizer, on 30 ShareGPT
 conversations. Every stage runs as a real `eagle3` process on a frozen copy of the code. Prints,
@@ -20,11 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+import tests.fault_drills as fd
+from tests.bad_inputs import CASES, build_base, run_case
 
-import fault_drills as fd  # noqa: E402
-from bad_inputs import CASES, build_base, run_case  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_llama(out: Path) -> Path:

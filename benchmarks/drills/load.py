@@ -1,7 +1,7 @@
 """Load drill on a real Prefect server: three pipeline runs of different configs and a nightly run,
 submitted at once with the `gpus` limit at 1, then each run again alone.
 
-    python benchmarks/load.py [--timeout 3600]
+    python -m benchmarks.drills.load [--timeout 3600]
 
 The service is the one docs/service.md sets up (tests/prefect_service.py): `prefect server start` with
 basic auth on, deployments/setup.py (`--gpus 1`: a one-GPU host), deployments/prefect.yaml deployed,
@@ -28,10 +28,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+import tests.prefect_service as ps
 
-import prefect_service as ps  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 PIPELINE = "eagle3-pipeline/eagle3-pipeline"
 NIGHTLY = "eagle3-nightly/eagle3-nightly"

@@ -4,24 +4,22 @@ Runs `eagle3 regenerate` (hf, greedy, batched) on the first `--limit` ShareGPT c
 `prepare` (the demo's settings) on the regenerated JSONL, `extract` and `verifier`, each as its own
 process with `--threads` torch threads, and prints each stage's wall and CPU seconds (the process
 tree's; on a shared machine wall time also measures the neighbours) and token counts, so the lever's
-total compute can be set against the baseline's extraction + training (benchmarks/levers.py trains
+total compute can be set against the baseline's extraction + training (benchmarks/experiments/levers.py trains
 on `--root/extract` with `--regen-extract`). Stages already done are not redone. Last line: one JSON
 object.
 
-    .venv/bin/python benchmarks/onpolicy.py --limit 400 --max-new-tokens 256 --batch-size 64 \\
+    .venv/bin/python -m benchmarks.experiments.onpolicy --limit 400 --max-new-tokens 256 --batch-size 64 \\
         --root runs/onpolicy --threads 1
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.experiments.levers import eagle3, run
 
-from benchmarks.levers import eagle3, run  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ largest difference between stored states and transformers' own forward, the vali
 tau, lossless, and the wall time of the whole run. The heads are trained for a few steps on random
 targets: tau here shows the pipeline works on the layout, not draft quality. Last line: one JSON object.
 
-    .venv/bin/python benchmarks/families.py [--families llama-3.1,qwen3,kimi-k2.5] [--limit 48] [--steps 8]
+    .venv/bin/python -m benchmarks.drills.families [--families llama-3.1,qwen3,kimi-k2.5] [--limit 48] [--steps 8]
 """
 from __future__ import annotations
 
@@ -23,15 +23,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
+from eagle3.model.target import Target
+from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
+from eagle3.storage.store import open_store
+from tests.families import FAMILIES, build, corpus, reference_lm
 
-from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig  # noqa: E402
-from eagle3.model.target import Target  # noqa: E402
-from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft  # noqa: E402
-from eagle3.storage.store import open_store  # noqa: E402
-
-from families import FAMILIES, build, corpus, reference_lm  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def max_state_error(model: Path, extract_dir: str, layer_ids: list[int], n: int = 4) -> float:

@@ -12,29 +12,27 @@ Prints
 The fp8 stores are written by replaying the exact fp32 states of the bf16 run through the same
 writer, so they cost no second forward. Last line: one JSON object.
 
-    .venv/bin/python benchmarks/extract.py [--limit 200] [--max-len 1024] [--prepared DIR]
+    .venv/bin/python -m benchmarks.speed.extract [--limit 200] [--max-len 1024] [--prepared DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from eagle3.assets import materialize_smollm2
+from eagle3.config import ExtractConfig, PrepareConfig
+from eagle3.extract import run_extract
+from eagle3.extract.hf import HFBackend
+from eagle3.model.target import Target
+from eagle3.storage.store import open_store
 
-from eagle3.assets import materialize_smollm2  # noqa: E402
-from eagle3.config import ExtractConfig, PrepareConfig  # noqa: E402
-from eagle3.extract import run_extract  # noqa: E402
-from eagle3.extract.hf import HFBackend  # noqa: E402
-from eagle3.model.target import Target  # noqa: E402
-from eagle3.storage.store import open_store  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 class TimedHF(HFBackend):

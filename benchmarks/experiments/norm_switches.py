@@ -6,20 +6,19 @@ existing stages (--hidden/--verifier, e.g. a demo run's), then trains one draft 
 norm_before_residual on the best of the four, and prints the validation simulated tau and
 per-step top-1 of each. Last line: one JSON object.
 
-    .venv/bin/python benchmarks/norm_switches.py [--limit 150] [--max-len 512] [--epochs 2] [--k 3]
-    .venv/bin/python benchmarks/norm_switches.py --hidden runs/demo/extract --verifier runs/demo/verifier --max-steps 80
+    .venv/bin/python -m benchmarks.experiments.norm_switches [--limit 150] [--max-len 512] [--epochs 2] [--k 3]
+    .venv/bin/python -m benchmarks.experiments.norm_switches --hidden runs/demo/extract --verifier runs/demo/verifier \\
+        --max-steps 80
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ skipped (null, with the reason) instead of being run. The last line is JSON keye
 {"4096": {"memory_ratio_eager": ..., "memory_ratio_sdpa": ..., "time_ratio_sdpa": ...}, ...}
 with ratios ours / theirs.
 
-    .venv/bin/python benchmarks/ttt_attention.py [--lengths 2048 4096 8192] [--block N]
+    .venv/bin/python -m benchmarks.speed.ttt_attention [--lengths 2048 4096 8192] [--block N]
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
 IMPLS = ("ours", "eager", "sdpa")
 
 
@@ -167,10 +168,10 @@ def main() -> None:
                 reasons[f"{L}/{impl}"] = f"skipped: needs ~{est / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
                 print(f"L={L:5d} {impl:5s} {reasons[f'{L}/{impl}']}", flush=True)
                 continue
-            cmd = [sys.executable, __file__, "--child", impl, "--L", str(L), "--j", str(a.j),
+            cmd = [sys.executable, "-m", __spec__.name, "--child", impl, "--L", str(L), "--j", str(a.j),
                    "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--dim", str(a.dim),
                    "--block", str(block)]
-            p = subprocess.run(cmd, capture_output=True, text=True)
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             if p.returncode != 0:
                 results[L][impl] = None
                 reasons[f"{L}/{impl}"] = f"failed (rc {p.returncode}): {p.stderr.strip().splitlines()[-1:]}"

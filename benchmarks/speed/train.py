@@ -10,7 +10,7 @@ embedding (`--untied` gives the head its own copy). Inputs are random tensors of
 shapes (throughput does not depend on their values). After `--warmup` steps, `--steps` steps
 are timed. Peak RSS is the child's ru_maxrss.
 
-    .venv/bin/python benchmarks/train.py [--pack 2048] [--steps 3] [--warmup 1] [--threads N]
+    .venv/bin/python -m benchmarks.speed.train [--pack 2048] [--steps 3] [--warmup 1] [--threads N]
 Last line: one JSON object {setting: {tokens_per_s, tokens_per_s_cached, peak_rss_mb, ...}}.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOLLM2 = dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, vocab_size=49152,
                rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, max_position_embeddings=8192)
@@ -33,7 +33,6 @@ SMOLLM2 = dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, nu
 def child(vd: int, k: int, pack: int, steps: int, warmup: int, untied: bool) -> dict:
     import torch
 
-    sys.path.insert(0, str(REPO))
     from eagle3.model.draft import DraftConfig, Eagle3Draft
     from eagle3.runtime.heap import retain_freed_memory
     from eagle3.train.loop import TTT, optimizer_step, row_pass
@@ -112,10 +111,10 @@ def main() -> None:
     results = {}
     for vd in a.vocab:
         for k in a.k:
-            cmd = [sys.executable, __file__, "--child", str(vd), str(k), "--pack", str(a.pack),
+            cmd = [sys.executable, "-m", __spec__.name, "--child", str(vd), str(k), "--pack", str(a.pack),
                    "--steps", str(a.steps), "--warmup", str(a.warmup)] + ["--untied"] * a.untied + (
                        ["--threads", str(a.threads)] if a.threads else [])
-            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
             if p.returncode:
                 results[f"vd{vd}_k{k}"] = {"error": p.stderr.strip().splitlines()[-1:]}
                 continue

@@ -11,7 +11,7 @@ eagle3/decoding/batch_decode.py and eagle3/decoding/cpu_linear.py, and through e
 F.linear (path `eagle3-flinear`: the share of the packed linear layers), side by side. Also prints the
 load average. Last line: one JSON object.
 
-    .venv/bin/python benchmarks/regenerate.py [--data sharegpt|mt-bench|FILE] [--limit 6] [--max-new-tokens 64]
+    .venv/bin/python -m benchmarks.speed.regenerate [--data sharegpt|mt-bench|FILE] [--limit 6] [--max-new-tokens 64]
                                               [--batch-sizes 1,4,8] [--threads 2] [--stock]
 """
 from __future__ import annotations
@@ -19,22 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from eagle3.assets import materialize_smollm2
+from eagle3.config import RegenConfig
+from eagle3.decoding.generate import HFGenerator
+from eagle3.model.target import Target
+from eagle3.regenerate.hf import load_hf
+from eagle3.regenerate.run import OUT_FILE, regenerate
 
-from eagle3.assets import materialize_smollm2  # noqa: E402
-from eagle3.config import RegenConfig  # noqa: E402
-from eagle3.decoding.generate import HFGenerator  # noqa: E402
-from eagle3.model.target import Target  # noqa: E402
-from eagle3.regenerate.hf import load_hf  # noqa: E402
-from eagle3.regenerate.run import OUT_FILE, regenerate  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FLinearGenerator(HFGenerator):
