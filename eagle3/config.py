@@ -154,7 +154,7 @@ class TrainConfig(_Cfg):
     ckpt_every: int = Field(200, ge=1, description="checkpoint every N optimizer steps (and at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (plus the best by simulated tau)")
     log_every: int = Field(10, ge=1, description="log train metrics every N steps")
-    # defaults chosen by measured simulated tau: see DraftConfig and benchmarks/norm_switches.py
+    # defaults chosen by measured simulated tau: see DraftConfig and benchmarks/experiments/norm_switches.py
     norm_before_fc: bool = Field(False,
                                  description="RMSNorm over the 3H input of fc (speculators #692; off by measurement)")
     norm_output: bool = Field(True, description="pass the normed hidden state to the next draft step")
@@ -301,7 +301,7 @@ class RegenConfig(_Cfg):
     chunk_records: int = Field(64, ge=1, description="records per committed chunk (the resume unit)")
     batch_size: int = Field(
         32, ge=1, description="hf: sequences decoded together (the KV cache grows in place, so 32-64 scale on a CPU: "
-        "benchmarks/regenerate.py)",
+        "benchmarks/speed/regenerate.py)",
     )
     batch_tokens: int = Field(
         32768, ge=64, description="hf: padded prompt tokens of one batch at most (long prompts get smaller batches)"
@@ -318,7 +318,7 @@ class RegenConfig(_Cfg):
 
         `dtype`/`max_len` are the resolved values. The seed and top_p only matter when sampling. Batch
         and chunk sizes are left out: they change speed, and the output only through floating-point
-        near-ties (measured in tests/test_regenerate.py and benchmarks/regenerate.py).
+        near-ties (measured in tests/test_regenerate.py and benchmarks/speed/regenerate.py).
         """
         return {
             "backend": self.backend, "dtype": dtype, "max_new_tokens": self.max_new_tokens,

@@ -207,7 +207,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     # 308 MB for SmolLM2 at k=3, 2048 tokens); the loss keeps no [L, Vd] tensor, only the
     # targets' [L, Vd] and one chunk; two [V, H] fp32 copies (embedding, target head; one
     # when tied); params + grads + AdamW; ~0.35 GB of torch runtime. SmolLM2 k=3 Vd=8192 at
-    # 2048 tokens: 1.2 GB estimated, 1.39 GB peak RSS measured (benchmarks/train.py).
+    # 2048 tokens: 1.2 GB estimated, 1.39 GB peak RSS measured (benchmarks/speed/train.py).
     act = (tc.ttt_steps * tc.pack_tokens * 4 * (3 * t.intermediate_size + 14 * t.hidden_size)
            + 2 * tc.pack_tokens * vd * 4 + 2 * t.vocab_size * t.hidden_size * 4 + P * 16 + int(0.35 * GIB))
     pl.rows.append({"stage": "train", "what": "activation memory per rank (estimate)", "bytes": act,

@@ -6,7 +6,7 @@ transformers' stock path costs a copy of the whole KV cache at every decode step
 * with a padding mask, its SDPA wrapper expands grouped K/V heads to the query heads
   (`repeat_kv`, a [B, Hq, n, D] copy per layer) before `scaled_dot_product_attention`.
 At batch 64 and n = 400 on SmolLM2-135M (30 layers, 3 KV heads of 9) that is ~3 GB of copies a step,
-and decoding stops scaling with the batch (measured by benchmarks/regenerate.py).
+and decoding stops scaling with the batch (measured by benchmarks/speed/regenerate.py).
 
 Here the cache of each layer lives in a preallocated buffer that an append writes into
 (`BufferLayer`), and a one-token query attends grouped: the query heads that share a KV head become

@@ -4,7 +4,7 @@ Why: at batch size 1 a decode step multiplies 1 row, a verify pass k+1 rows, aga
 of the target. On an x86 CPU with torch's stock fp32 path (MKL sgemm on [out, in] weights) a few
 rows cost far more than one: with stock kernels a verify pass costs about 1.5-2x a plain step, which
 no draft could win back; prepacked, about one step, as on a GPU (the weights are read once either way;
-`benchmarks/cpu_linear.py`, figures in benchmarks/RESULTS.md, cpu_linear). vLLM's own CPU backend does
+`benchmarks/speed/cpu_linear.py`, figures in benchmarks/RESULTS.md, cpu_linear). vLLM's own CPU backend does
 the same: its unquantized-GEMM dispatch (`vllm/model_executor/layers/utils.py`) prepacks every linear
 weight into a oneDNN matmul handler.
 

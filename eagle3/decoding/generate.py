@@ -6,7 +6,7 @@ alone, but not the same floating-point reductions (padded attention, other GEMM 
 near-tie argmax could flip. Measured in fp32 on CPU: every turn equals `model.generate(
 do_sample=False)` on the same history, one record at a time (tests, tiny Llama and SmolLM2), and
 batch sizes 1, 4 and 8 write byte-identical files on 8 MT-Bench and 4-16 ShareGPT conversations
-(benchmarks/regenerate.py). bf16 on GPU is more tie-prone and was not measured; `batch_size=1` is
+(benchmarks/speed/regenerate.py). bf16 on GPU is more tie-prone and was not measured; `batch_size=1` is
 exact by construction.
 
 Speed (hf, CPU): on a shared CPU give torch one thread (`--threads 1`): with other processes busy,

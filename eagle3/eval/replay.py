@@ -137,7 +137,7 @@ def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[i
     """aux [T, 3, H] (bf16) of every turn's sequence, from one target forward each (cached in `d` per aux ids).
 
     packed: on CPU, the forward's linear layers run on oneDNN-prepacked weights, always that kernel (as
-    extraction does; `benchmarks/replay.py --compare-build` measures the gain). False: torch's stock ones."""
+    extraction does; `benchmarks/speed/replay.py --compare-build` measures the gain). False: torch's stock ones."""
     from safetensors.torch import load_file
 
     path = aux_path(d, aux_ids)

@@ -60,7 +60,7 @@ def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg:
     spin against other processes (SmolLM2 here: one MT-Bench prompt took ~35 s at 1 thread, ~4 min at 2).
     Replay's batched work (the target's answers, its aux states, the draft's pass) is compute-bound and
     runs at `cfg.build_threads` (default: torch's, all cores): the demo's 24-question cache built 1.7x
-    faster at 2 threads on packed linears than at 1 on stock ones (`benchmarks/replay.py --compare-build`).
+    faster at 2 threads on packed linears than at 1 on stock ones (`benchmarks/speed/replay.py --compare-build`).
     """
     fp = inputs(model_dir, draft_dir, cfg, trust_remote_code)
     if EvalReport.exists(out):

@@ -40,7 +40,7 @@ class DraftConfig(BaseModel):
     """Shape and switches of one EAGLE-3 draft head. Build it with `DraftConfig.from_target`.
 
     The norm switches' defaults were chosen by validation simulated tau on the same data, seed and steps
-    (`benchmarks/norm_switches.py`; the figures: benchmarks/RESULTS.md, norm_switches): norm_output on,
+    (`benchmarks/experiments/norm_switches.py`; the figures: benchmarks/RESULTS.md, norm_switches): norm_output on,
     and no joint RMSNorm over the three aux layers' states, whose scales differ by layer.
     """
 

@@ -6,7 +6,7 @@ above its mmap threshold (128 KiB, rising to at most 32 MiB) with a fresh mmap a
 free, and gives the top of the heap back above its trim threshold; either way the next step
 touches new pages and the kernel zero-fills them on first touch: millions of page faults per
 extraction batch, a large share of its CPU time in the kernel. With both thresholds raised the
-blocks are reused in place, faster for a few hundred MB more peak RSS (`benchmarks/heap.py`; the
+blocks are reused in place, faster for a few hundred MB more peak RSS (`benchmarks/speed/heap.py`; the
 figures: benchmarks/RESULTS.md, heap).
 
 This is what jemalloc / tcmalloc give torch CPU workloads, with nothing to install. glibc only;

@@ -9,7 +9,7 @@ with lambda_j detached and computed once per step and batch (as speculators' `lk
 ModelOpt's `masked_lk_lambda_loss`, eta = 3): KL carries the cold start, where TV's gradient
 (O(1/V) per logit) vanishes, and TV takes over as the overlap grows. alpha is the acceptance rate of
 *sampled* verification; greedy verification (what `eagle3 eval` measures) accepts on top-1
-agreement, so whether LK helps there is a measured question (benchmarks/levers.py).
+agreement, so whether LK helps there is a measured question (benchmarks/experiments/levers.py).
 
 Top-K (`loss="topk"`, the "harmonized objective distillation" of HASS, arXiv 2408.15766): KL plus
 `topk_weight` times the cross-entropy of the draft on the target's K most likely tokens only,
