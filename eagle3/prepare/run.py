@@ -113,28 +113,31 @@ def inputs(model: str | Path, cfg: PrepareConfig, trust_remote_code: bool = Fals
     }
 
 
-def prepare(
-    model: str | Path,
-    out: str | Path,
-    cfg: PrepareConfig,
-    progress: bool = True,
-    on_sample: Callable[[str, np.ndarray, np.ndarray], None] | None = None,
-    trust_remote_code: bool = False,
-) -> PreparedData:
-    """Run stage 1. Returns the manifest (also written to `out/manifest.json`)."""
-    model, out = Path(model), Path(out)
-    target = Target.open(model, trust_remote_code)
-    src = resolve_source(cfg.data)
-    fp = inputs(model, cfg, trust_remote_code)
-    config = cfg.model_dump(mode="json")
+def _finished(out: Path, fp: dict[str, Any]) -> PreparedData | None:
+    """The manifest in `out` if it was written for exactly these inputs (`fp`, see `inputs`), else None."""
     if (out / MANIFEST).is_file():
         try:
             done = PreparedData.read(out)
             if done.inputs == fp:
-                log.info("prepare: %s already holds this exact result; nothing to do", out)
                 return done
         except ValueError:
             pass
+    return None
+
+
+@dataclass
+class _Setup:
+    """What the stream needs from the target, all checked before anything is written."""
+
+    renderer: ChatRenderer
+    vocab_rows: int  # V: the target embedding's rows, the size of the frequency counts and the vocab map
+    draft_vocab: int  # requested draft vocab size (a reused map brings its own)
+    maps: tuple[Any, Any] | None  # (d2t, t2d) loaded from cfg.vocab_from, else None
+
+
+def _check_target(model: Path, target: Target, cfg: PrepareConfig) -> _Setup:
+    """Check the settings against the target (max_len vs the template's overhead, the draft vocab size,
+    a reused vocab map's size) and return what the stream needs. Raises ValueError; writes nothing."""
     tok = target.tokenizer()
     renderer = ChatRenderer(tok, name=f"the tokenizer of {model}")
     overhead = renderer.template_overhead()
@@ -149,12 +152,17 @@ def prepare(
     draft_vocab = cfg.draft_vocab or min(DEFAULT_DRAFT_VOCAB, V)
     if draft_vocab > V:
         raise ValueError(f"--draft-vocab {draft_vocab} exceeds the target vocab size {V} (embedding rows)")
+    maps = None
     if cfg.vocab_from:  # checked before anything is written
-        d2t, t2d = load_maps(_vocab_path(cfg.vocab_from))
-        if len(t2d) != V:
-            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(t2d)}-row vocab, "
+        maps = load_maps(_vocab_path(cfg.vocab_from))
+        if len(maps[1]) != V:
+            raise ValueError(f"{cfg.vocab_from}: vocab map is for a {len(maps[1])}-row vocab, "
                              f"this target's embedding has {V}")
+    return _Setup(renderer, V, draft_vocab, maps)
 
+
+def _clear(out: Path) -> None:
+    """Make `out` exist and hold no manifest, temp file or shard of an earlier run."""
     # A stale manifest must never describe the shards we are about to overwrite.
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
@@ -162,141 +170,210 @@ def prepare(
     for old in out.glob("*.parquet"):
         old.unlink()
 
-    stats = ReadStats()
-    skipped: Counter[str] = Counter()
-    examples: dict[str, list[str]] = {}
-    seen: set[str] = set()
-    shards = {s: _Shards(out, s, cfg.shard_samples) for s in ("train", "val")}
-    counts = np.zeros(V, dtype=np.int64)  # loss-masked token frequencies, train split
-    n_read = n_kept = n_tok = n_train_tok = 0
+
+@dataclass
+class _Stream:
+    """The one pass over the source: records in, kept samples out to the split shards.
+
+    Each record is read -> normalized -> deduplicated -> rendered into `pending`; every `cfg.batch_size`
+    rendered records are tokenized in one batch and each kept sample (ids, mask: int arrays of one length)
+    goes to the train or val `_Shards` by its split key. The counters end up in the manifest.
+    """
+
+    out: Path
+    cfg: PrepareConfig
+    setup: _Setup
+    on_sample: Callable[[str, np.ndarray, np.ndarray], None] | None
+    bar: Any  # a tqdm bar, one tick per record read
+    t0: float = field(default_factory=time.perf_counter)
+    stats: ReadStats = field(default_factory=ReadStats)
+    skipped: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)  # up to _EXAMPLES record ids per skip reason
+    seen: set[str] = field(default_factory=set)  # content keys of the conversations kept so far
+    pending: list[tuple[str, Rendered]] = field(default_factory=list)  # (record id, rendered), not yet tokenized
+    shards: dict[str, _Shards] = field(init=False)
+    counts: np.ndarray = field(init=False)  # [V] int64: loss-masked token frequencies, train split
+    n_read: int = 0
+    n_kept: int = 0
+    n_tok: int = 0
+    n_train_tok: int = 0
     last_train: tuple[float, tuple] | None = None  # smallest-key train sample still in the buffer
 
-    def skip(rid: str, reason: str, detail: str = "") -> None:
-        skipped[reason] += 1
-        ex = examples.setdefault(reason, [])
+    def __post_init__(self) -> None:
+        self.shards = {s: _Shards(self.out, s, self.cfg.shard_samples) for s in ("train", "val")}
+        self.counts = np.zeros(self.setup.vocab_rows, dtype=np.int64)
+
+    def skip(self, rid: str, reason: str, detail: str = "") -> None:
+        self.skipped[reason] += 1
+        ex = self.examples.setdefault(reason, [])
         if len(ex) < _EXAMPLES:
             ex.append(f"{rid}: {detail}" if detail else rid)
 
-    pending: list[tuple[str, Rendered]] = []
-    bar = _progress(cfg.limit, progress)
-    t0 = time.perf_counter()
+    def read(self, src: Path) -> None:
+        """Stream up to cfg.limit records of `src` into the shards (the last one of each split still buffered).
+        On any error the shards written so far are removed, then the error is raised."""
+        try:
+            for rec in iter_source(src, self.stats):
+                if self.cfg.limit is not None and self.n_read >= self.cfg.limit:
+                    break
+                self.n_read += 1
+                self.bar.update(1)
+                self.admit(rec)
+                if len(self.pending) >= self.cfg.batch_size:
+                    self.encode_pending()
+            self.encode_pending()
+        except BaseException:
+            # A source that fails midway (an unreadable file in a dir) leaves no half a stage behind.
+            for sh in self.shards.values():
+                for info in sh.infos:
+                    (self.out / info.file).unlink(missing_ok=True)
+            raise
+        finally:
+            self.bar.close()  # before any error line, so the two never share a line
 
-    def flush_pending() -> None:
-        nonlocal n_kept, n_tok, n_train_tok, last_train
-        if not pending:
+    def admit(self, rec) -> None:
+        """Render one read record into `pending`, or count it as skipped (unreadable, invalid, duplicate)."""
+        if isinstance(rec, Bad):
+            self.skip(rec.record_id, rec.reason, rec.detail)
             return
-        encoded = renderer.encode([r for _, r in pending], cfg.max_len)
-        for (rid, _), (ids, mask) in zip(pending, encoded, strict=True):
-            if not mask.any():
-                skip(rid, "no_trainable_tokens", f"no assistant token within the first {cfg.max_len} tokens")
-                continue
-            if ids.max() >= V:  # a tokenizer id the embedding has no row for (e.g. a reserved special token)
-                skip(rid, "token_beyond_embedding", f"token id {int(ids.max())} >= {V} embedding rows")
-                continue
-            sid = sample_id(ids, mask)
-            key = split_key(cfg.seed, sid)
-            split = "val" if key < cfg.val_fraction else "train"
-            row = (sid, rid, ids, mask)
-            shards[split].add(row)
-            if on_sample is not None:
-                on_sample(rid, ids, mask)
-            if split == "train":
-                np.add.at(counts, ids[mask == 1], 1)
-                if last_train is None or key < last_train[0]:
-                    last_train = (key, row)
-                if not shards["train"].rows:  # buffer flushed: that sample is on disk now
-                    last_train = None
-            n_kept += 1
-            n_tok += len(ids)
-            n_train_tok += int(mask.sum())
-        pending.clear()
-        dt = max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix_str(f"{n_tok / dt:,.0f} tok/s, kept {n_kept}")
+        try:
+            msgs = normalize(rec.obj, self.cfg.same_role)
+            key = hashlib.sha256(repr([(m["role"], m["content"]) for m in msgs]).encode()).hexdigest()
+            if key in self.seen:
+                raise Skip("duplicate", "same conversation as an earlier record")
+            self.seen.add(key)
+            self.pending.append((rec.record_id, self.setup.renderer.render(msgs)))
+        except Skip as s:
+            self.skip(rec.record_id, s.reason, s.detail)
 
-    try:
-        for rec in iter_source(src, stats):
-            if cfg.limit is not None and n_read >= cfg.limit:
-                break
-            n_read += 1
-            bar.update(1)
-            if isinstance(rec, Bad):
-                skip(rec.record_id, rec.reason, rec.detail)
-                continue
-            try:
-                msgs = normalize(rec.obj, cfg.same_role)
-                key = hashlib.sha256(repr([(m["role"], m["content"]) for m in msgs]).encode()).hexdigest()
-                if key in seen:
-                    raise Skip("duplicate", "same conversation as an earlier record")
-                seen.add(key)
-                pending.append((rec.record_id, renderer.render(msgs)))
-            except Skip as s:
-                skip(rec.record_id, s.reason, s.detail)
-                continue
-            if len(pending) >= cfg.batch_size:
-                flush_pending()
-        flush_pending()
-    except BaseException:
-        # A source that fails midway (an unreadable file in a dir) leaves no half a stage behind.
-        for sh in shards.values():
-            for info in sh.infos:
-                (out / info.file).unlink(missing_ok=True)
-        raise
-    finally:
-        bar.close()  # before any error line, so the two never share a line
+    def encode_pending(self) -> None:
+        """Tokenize `pending` as one batch (truncated to cfg.max_len), keep each usable sample, empty `pending`."""
+        if not self.pending:
+            return
+        encoded = self.setup.renderer.encode([r for _, r in self.pending], self.cfg.max_len)
+        for (rid, _), (ids, mask) in zip(self.pending, encoded, strict=True):
+            self.keep(rid, ids, mask)
+        self.pending.clear()
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{self.n_tok / dt:,.0f} tok/s, kept {self.n_kept}")
 
-    # Guarantee a validation set: move the train sample with the smallest split key
-    # (deterministic) if the hash split left val empty. Only a buffered sample can move.
-    if not shards["val"].rows and not shards["val"].infos and cfg.min_val and n_kept >= 2 and last_train:
-        row = last_train[1]
-        shards["train"].rows = [r for r in shards["train"].rows if r is not row]
-        shards["val"].add(row)
-        np.add.at(counts, row[2][row[3] == 1], -1)
-    for s in shards.values():
-        s.flush()
-    if n_kept == 0:
-        raise ValueError(
-            f"{cfg.data}: no usable conversation among {n_read} read; skipped: {dict(skipped)}; "
-            f"examples: {examples}"
-        )
+    def keep(self, rid: str, ids: np.ndarray, mask: np.ndarray) -> None:
+        """Add one tokenized sample to its split (by its split key), or skip it when it has nothing to train on
+        or a token the embedding lacks. Train samples add their loss-masked ids to `counts`."""
+        cfg, V = self.cfg, self.setup.vocab_rows
+        if not mask.any():
+            self.skip(rid, "no_trainable_tokens", f"no assistant token within the first {cfg.max_len} tokens")
+            return
+        if ids.max() >= V:  # a tokenizer id the embedding has no row for (e.g. a reserved special token)
+            self.skip(rid, "token_beyond_embedding", f"token id {int(ids.max())} >= {V} embedding rows")
+            return
+        sid = sample_id(ids, mask)
+        key = split_key(cfg.seed, sid)
+        split = "val" if key < cfg.val_fraction else "train"
+        row = (sid, rid, ids, mask)
+        self.shards[split].add(row)
+        if self.on_sample is not None:
+            self.on_sample(rid, ids, mask)
+        if split == "train":
+            np.add.at(self.counts, ids[mask == 1], 1)
+            if self.last_train is None or key < self.last_train[0]:
+                self.last_train = (key, row)
+            if not self.shards["train"].rows:  # buffer flushed: that sample is on disk now
+                self.last_train = None
+        self.n_kept += 1
+        self.n_tok += len(ids)
+        self.n_train_tok += int(mask.sum())
 
-    if cfg.vocab_from:
+    def finish(self) -> None:
+        """Write the buffered shards, after making sure val is not empty. Raises ValueError if nothing was kept."""
+        shards, cfg = self.shards, self.cfg
+        # Guarantee a validation set: move the train sample with the smallest split key
+        # (deterministic) if the hash split left val empty. Only a buffered sample can move.
+        if not shards["val"].rows and not shards["val"].infos and cfg.min_val and self.n_kept >= 2 \
+                and self.last_train:
+            row = self.last_train[1]
+            shards["train"].rows = [r for r in shards["train"].rows if r is not row]
+            shards["val"].add(row)
+            np.add.at(self.counts, row[2][row[3] == 1], -1)
+        for s in shards.values():
+            s.flush()
+        if self.n_kept == 0:
+            raise ValueError(
+                f"{cfg.data}: no usable conversation among {self.n_read} read; skipped: {dict(self.skipped)}; "
+                f"examples: {self.examples}"
+            )
+
+
+def _write_vocab_map(out: Path, setup: _Setup, counts: np.ndarray) -> VocabMapInfo:
+    """Write `out/vocab_map.safetensors`: the reused map, or one of the `setup.draft_vocab` most frequent
+    trainable train tokens (`counts`: [V] frequencies). Returns its manifest entry with its coverage."""
+    V = setup.vocab_rows
+    if setup.maps is not None:
+        d2t, t2d = setup.maps
         target_ids = t2d.nonzero().flatten().numpy()
         draft_vocab = len(target_ids)
     else:
+        draft_vocab = setup.draft_vocab
         target_ids = select_draft_tokens(counts, draft_vocab)
         d2t, t2d = build_maps(target_ids, V)
     save_maps(out / VOCAB_FILE, d2t, t2d)
     total = int(counts.sum())
     coverage = float(counts[target_ids].sum() / total) if total else 0.0
+    return VocabMapInfo(sha256=sha256_file(out / VOCAB_FILE), draft_vocab_size=draft_vocab,
+                        target_vocab_size=V, coverage=coverage)
+
+
+def prepare(
+    model: str | Path,
+    out: str | Path,
+    cfg: PrepareConfig,
+    progress: bool = True,
+    on_sample: Callable[[str, np.ndarray, np.ndarray], None] | None = None,
+    trust_remote_code: bool = False,
+) -> PreparedData:
+    """Run stage 1. Returns the manifest (also written to `out/manifest.json`)."""
+    model, out = Path(model), Path(out)
+    target = Target.open(model, trust_remote_code)
+    src = resolve_source(cfg.data)
+    fp = inputs(model, cfg, trust_remote_code)
+    done = _finished(out, fp)
+    if done is not None:
+        log.info("prepare: %s already holds this exact result; nothing to do", out)
+        return done
+    setup = _check_target(model, target, cfg)
+    _clear(out)
+
+    s = _Stream(out, cfg, setup, on_sample, bar=_progress(cfg.limit, progress))
+    s.read(src)
+    s.finish()
+    vocab = _write_vocab_map(out, setup, s.counts)
 
     m = PreparedData(
-        config=config,
+        config=cfg.model_dump(mode="json"),
         inputs=fp,
         model_dir=str(model),
         tokenizer_fingerprint=fp["tokenizer"],
         source=str(src),
         source_fingerprint=fp["source"],
-        splits={s: v.infos for s, v in shards.items()},
-        records_read=n_read,
-        records_kept=n_kept,
-        skipped=dict(sorted(skipped.items())),
-        skip_examples=examples,
-        num_tokens=n_tok,
-        num_trainable_tokens=n_train_tok,
-        vocab_map=VocabMapInfo(
-            sha256=sha256_file(out / VOCAB_FILE), draft_vocab_size=draft_vocab,
-            target_vocab_size=V, coverage=coverage,
-        ),
-        unreadable_tail_bytes=stats.unreadable_tail_bytes,
+        splits={name: sh.infos for name, sh in s.shards.items()},
+        records_read=s.n_read,
+        records_kept=s.n_kept,
+        skipped=dict(sorted(s.skipped.items())),
+        skip_examples=s.examples,
+        num_tokens=s.n_tok,
+        num_trainable_tokens=s.n_train_tok,
+        vocab_map=vocab,
+        unreadable_tail_bytes=s.stats.unreadable_tail_bytes,
     )
     m.write(out)
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - s.t0
     log.info(
         "prepare: read %d, kept %d, skipped %s; %d tokens (%d trainable) in %.1fs = %.0f tok/s; "
         "draft vocab %d covers %.2f%% of trainable tokens",
-        n_read, n_kept, dict(skipped), n_tok, n_train_tok, dt, n_tok / max(dt, 1e-9), draft_vocab, 100 * coverage,
+        s.n_read, s.n_kept, dict(s.skipped), s.n_tok, s.n_train_tok, dt, s.n_tok / max(dt, 1e-9),
+        vocab.draft_vocab_size, 100 * vocab.coverage,
     )
-    for note in stats.notes:
+    for note in s.stats.notes:
         log.warning("prepare: %s", note)
     return m
 

@@ -239,6 +239,143 @@ def inputs(model: str | Path, data: str, cfg: RegenConfig, trust_remote_code: bo
     }
 
 
+def _finished(out: Path, fp: dict[str, Any]) -> RegeneratedData | None:
+    """The manifest in `out` if it was written for exactly these inputs (`fp`, see `inputs`) and its output
+    file is there, else None."""
+    if (out / MANIFEST).is_file():
+        try:
+            done = RegeneratedData.read(out)
+            if done.inputs == fp and (out / OUT_FILE).is_file():
+                return done
+        except ValueError:
+            pass
+    return None
+
+
+def _resume(out: Path, signature: str, reuse: Sequence[str | Path]) -> tuple[_State, ReuseIndex]:
+    """Open `out` for the run named by `signature`: the committed state to continue from (see `_open_state`)
+    and the index of earlier outputs (`reuse` dirs, other than `out` itself) whose lines can be copied."""
+    out.mkdir(parents=True, exist_ok=True)
+    clean_temp_files(out)
+    index = ReuseIndex()
+    for d in reuse:
+        if Path(d).resolve() != out.resolve():
+            index.add_dir(d)
+    return _open_state(out, signature, index), index
+
+
+@dataclass
+class _Run:
+    """One regeneration in progress: the fixed setup and this process's counters.
+
+    `st` is what progress.json commits (it survives a restart); the counters here describe the work of
+    this process only (reused lines, tokens, time) and go to the manifest's stats.
+    """
+
+    out: Path
+    cfg: RegenConfig
+    tok: Any  # the target's tokenizer
+    generator: Generator
+    max_len: int  # prompt + answer tokens a turn may span
+    model_fp: str
+    settings: dict[str, Any]
+    index: ReuseIndex
+    st: _State
+    read_stats: ReadStats = field(default_factory=ReadStats)
+    t0: float = field(default_factory=time.perf_counter)
+    gen_s: float = 0.0  # seconds spent inside the backend
+    reused: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    resumed_records: int = field(init=False)  # records and bytes already committed when this process started
+    resumed_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.resumed_records, self.resumed_bytes = self.st.records_written, self.st.bytes
+
+    def chunk(self, start: int, chunk: list) -> None:
+        """Regenerate one chunk (`chunk`: read records, the first at source index `start`) and commit its
+        lines: appended to the output, then progress.json records the new length and `records_read`."""
+        convs, slots = self.plan(start, chunk)
+        t = time.perf_counter()
+        ntok, nprompt = _run_waves(convs, self.generator, self.tok, self.cfg, self.max_len)
+        self.gen_s += time.perf_counter() - t
+        self.generated_tokens += ntok
+        self.prompt_tokens += nprompt
+        lines = self.lines(slots)
+        self.st.records_read = start + len(chunk)
+        _commit(self.out, self.st, lines)
+
+    def plan(self, start: int, chunk: list) -> tuple[list[_Conv], list[tuple[int, _Conv | dict]]]:
+        """Sort a chunk's records: skipped (unreadable, invalid), reused (a line with the same key is indexed)
+        or to generate. Returns (conversations to generate, slots): slots are (source index, conversation or
+        reused record) for every record that may be written, in source order."""
+        convs: list[_Conv] = []
+        slots: list[tuple[int, _Conv | dict]] = []  # (source index, conversation or reused record), in order
+        for j, rec in enumerate(chunk):
+            i = start + j
+            if isinstance(rec, Bad):
+                self.st.skip(rec.record_id, rec.reason, rec.detail)
+                continue
+            try:
+                msgs = normalize(rec.obj, self.cfg.same_role)
+            except Skip as s:
+                self.st.skip(rec.record_id, s.reason, s.detail)
+                continue
+            key = record_key(self.model_fp, self.settings, msgs)
+            hit = self.index.get(key)
+            if hit is not None:
+                self.reused += 1
+                slots.append((i, _relabel(hit, rec.record_id, i, msgs)))
+                continue
+            c = _Conv(i, rec.record_id, key, msgs, [k for k, m in enumerate(msgs) if m["role"] == "user"],
+                      msgs=[m for m in msgs if m["role"] == "system"])
+            convs.append(c)
+            slots.append((i, c))
+        return convs, slots
+
+    def lines(self, slots: list[tuple[int, _Conv | dict]]) -> list[bytes]:
+        """The JSONL lines of a chunk's generated or reused records, in source order; a conversation that got
+        no answer is counted as skipped. Updates the committed counters and samples in `st`."""
+        st = self.st
+        lines: list[bytes] = []
+        for _, s in slots:
+            if isinstance(s, dict):  # reused
+                orig = s.pop("_original")
+                rec = s
+            else:
+                if not s.turns:
+                    st.skip(s.rid, s.shortened or "no_answer", "no assistant turn could be generated")
+                    continue
+                if s.shortened:
+                    st.shortened += 1
+                rec = _record(s, self.model_fp, self.settings)
+                orig = s.original
+            st.records_written += 1
+            st.turns_written += len(rec["provenance"]["turns"])
+            st.turns_cut += sum(t["finish"] == "length" for t in rec["provenance"]["turns"])
+            if len(st.samples) < _SAMPLES:
+                st.samples.append(_sample(rec, orig))
+            lines.append((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+        return lines
+
+    def progress(self) -> dict[str, Any]:
+        """What the `progress` callback gets after each committed chunk."""
+        dt = max(self.gen_s, 1e-9)
+        return {"records_read": self.st.records_read, "records_written": self.st.records_written,
+                "tokens_generated": self.generated_tokens, "tokens_per_second": self.generated_tokens / dt}
+
+    def stats(self) -> dict[str, Any]:
+        """The manifest's `stats`: this process's throughput, reuse and resume counts."""
+        gen_s, wall = self.gen_s, time.perf_counter() - self.t0
+        return {"tokens_generated": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
+                "generate_seconds": round(gen_s, 3),
+                "tokens_per_second": round(self.generated_tokens / gen_s, 2) if gen_s else 0.0,
+                "wall_seconds": round(wall, 3), "records_reused": self.reused,
+                "records_resumed": self.resumed_records, "bytes_resumed": self.resumed_bytes,
+                "unreadable_tail_bytes": self.read_stats.unreadable_tail_bytes}
+
+
 def regenerate(
     model: str | Path,
     data: str,
@@ -259,16 +396,10 @@ def regenerate(
     target = Target.open(model, trust_remote_code)
     src = resolve_source(data)
     fp = inputs(model, data, cfg, trust_remote_code)
-    model_fp = fp["model"]
-    config = cfg.model_dump(mode="json")
-    if (out / MANIFEST).is_file():
-        try:
-            done = RegeneratedData.read(out)
-            if done.inputs == fp and (out / OUT_FILE).is_file():
-                log.info("regenerate: %s already holds this exact result; nothing to do", out)
-                return done
-        except ValueError:
-            pass
+    done = _finished(out, fp)
+    if done is not None:
+        log.info("regenerate: %s already holds this exact result; nothing to do", out)
+        return done
 
     tok = target.tokenizer()
     eos = target.stop_ids()
@@ -279,100 +410,33 @@ def regenerate(
     settings = cfg.settings(generator.dtype, max_len)
     signature = sha256_json({"format": FORMAT, "inputs": fp, "settings": settings, "limit": cfg.limit,
                              "same_role": cfg.same_role, "chunk": cfg.chunk_records})
+    st, index = _resume(out, signature, reuse)
+    run = _Run(out, cfg, tok, generator, max_len, fp["model"], settings, index, st)
 
-    out.mkdir(parents=True, exist_ok=True)
-    clean_temp_files(out)
-    index = ReuseIndex()
-    for d in reuse:
-        if Path(d).resolve() != out.resolve():
-            index.add_dir(d)
-    st = _open_state(out, signature, index)
-    resumed_records, resumed_bytes = st.records_written, st.bytes
-    t0, gen_s = time.perf_counter(), 0.0
-    reused = generated_tokens = prompt_tokens = 0
-    read_stats = ReadStats()
-
-    for start, chunk in _chunks(src, read_stats, cfg.chunk_records, cfg.limit):
+    for start, chunk in _chunks(src, run.read_stats, cfg.chunk_records, cfg.limit):
         if start < st.records_read:  # committed before a restart (commits fall on chunk boundaries)
             continue
-        lines: list[bytes] = []
-        convs: list[_Conv] = []
-        slots: list[tuple[int, _Conv | dict]] = []  # (source index, conversation or reused record), in order
-        for j, rec in enumerate(chunk):
-            i = start + j
-            if isinstance(rec, Bad):
-                st.skip(rec.record_id, rec.reason, rec.detail)
-                continue
-            try:
-                msgs = normalize(rec.obj, cfg.same_role)
-            except Skip as s:
-                st.skip(rec.record_id, s.reason, s.detail)
-                continue
-            key = record_key(model_fp, settings, msgs)
-            hit = index.get(key)
-            if hit is not None:
-                reused += 1
-                slots.append((i, _relabel(hit, rec.record_id, i, msgs)))
-                continue
-            c = _Conv(i, rec.record_id, key, msgs, [k for k, m in enumerate(msgs) if m["role"] == "user"],
-                      msgs=[m for m in msgs if m["role"] == "system"])
-            convs.append(c)
-            slots.append((i, c))
-
-        t = time.perf_counter()
-        ntok, nprompt = _run_waves(convs, generator, tok, cfg, max_len)
-        gen_s += time.perf_counter() - t
-        generated_tokens += ntok
-        prompt_tokens += nprompt
-
-        for _, s in slots:
-            if isinstance(s, dict):  # reused
-                orig = s.pop("_original")
-                rec = s
-            else:
-                if not s.turns:
-                    st.skip(s.rid, s.shortened or "no_answer", "no assistant turn could be generated")
-                    continue
-                if s.shortened:
-                    st.shortened += 1
-                rec = _record(s, model_fp, settings)
-                orig = s.original
-            st.records_written += 1
-            st.turns_written += len(rec["provenance"]["turns"])
-            st.turns_cut += sum(t["finish"] == "length" for t in rec["provenance"]["turns"])
-            if len(st.samples) < _SAMPLES:
-                st.samples.append(_sample(rec, orig))
-            lines.append((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
-        st.records_read = start + len(chunk)
-        _commit(out, st, lines)
+        run.chunk(start, chunk)
         if progress is not None:
-            dt = max(gen_s, 1e-9)
-            progress({"records_read": st.records_read, "records_written": st.records_written,
-                      "tokens_generated": generated_tokens, "tokens_per_second": generated_tokens / dt})
+            progress(run.progress())
 
     if own and hasattr(generator, "close"):
         generator.close()
     if st.records_written == 0:
         raise ValueError(f"{data}: no conversation could be regenerated among {st.records_read} read; "
                          f"skipped: {st.skipped}; examples: {st.skip_examples}")
-    wall = time.perf_counter() - t0
     m = RegeneratedData(
-        config=config, inputs=fp, model_dir=str(model), model_fingerprint=model_fp, source=str(src),
-        source_fingerprint=fp["source"], backend=generator.name, settings=settings,
+        config=cfg.model_dump(mode="json"), inputs=fp, model_dir=str(model), model_fingerprint=fp["model"],
+        source=str(src), source_fingerprint=fp["source"], backend=generator.name, settings=settings,
         sha256=sha256_file(out / OUT_FILE), records_read=st.records_read, records_written=st.records_written,
         skipped=dict(sorted(st.skipped.items())), skip_examples=st.skip_examples, turns_written=st.turns_written,
-        turns_cut=st.turns_cut, conversations_shortened=st.shortened, samples=st.samples,
-        stats={"tokens_generated": generated_tokens, "prompt_tokens": prompt_tokens,
-               "generate_seconds": round(gen_s, 3),
-               "tokens_per_second": round(generated_tokens / gen_s, 2) if gen_s else 0.0,
-               "wall_seconds": round(wall, 3), "records_reused": reused, "records_resumed": resumed_records,
-               "bytes_resumed": resumed_bytes, "unreadable_tail_bytes": read_stats.unreadable_tail_bytes},
+        turns_cut=st.turns_cut, conversations_shortened=st.shortened, samples=st.samples, stats=run.stats(),
     )
     m.write(out)
     (out / PREVIOUS).unlink(missing_ok=True)
     log.info("regenerate: %d of %d records written (%d reused, %d resumed), %d tokens generated at %.1f tok/s; "
-             "skipped %s", st.records_written, st.records_read, reused, resumed_records, generated_tokens,
-             m.stats["tokens_per_second"], st.skipped)
+             "skipped %s", st.records_written, st.records_read, run.reused, run.resumed_records,
+             run.generated_tokens, m.stats["tokens_per_second"], st.skipped)
     return m
 
 
