@@ -16,7 +16,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -174,7 +174,6 @@ def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig,
     }
 
 
-
 def run_extract(
     model: str | Path,
     prepared: str | Path,
@@ -197,9 +196,216 @@ def run_extract(
     model, prepared, out = Path(model), Path(prepared), Path(out)
     prep = PreparedData.read(prepared)
     target = Target.open(model, trust_remote_code)
-    n, hidden = target.num_layers, target.hidden_size
+    fp = inputs(model, prepared, cfg, trust_remote_code)
+    prev = previous_run(out, fp)
+    if prev.done is not None:
+        return prev.done
+    open_out(out)
+
+    samples = load_samples(prepared, prep, cfg.splits)
+    if cfg.backend == "vllm":
+        check_engine_length(samples, target.max_position_embeddings)
+    run = plan_run(out, cfg, target, samples, prev, reuse, backend)
+    disk_preflight(out, run.todo_shards(), run.n_aux, run.hidden, cfg.storage)
+
+    tokens = TokenProgress(run.todo_tokens(), progress, show_progress)
+    t0 = time.perf_counter()
+    try:
+        for p in run.plans:
+            run.fill_shard(p, tokens)
+    finally:
+        tokens.close()
+        close = getattr(run.backend, "close", None)
+        if close is not None:
+            close()
+    seconds = time.perf_counter() - t0
+
+    drop_stale_shards(out, run.plans)
+    index_sha = _write_index(out, run.plans)
+    man = run.manifest(fp, model, index_sha, tokens.done, seconds)
+    man.write(out)
+    return man
+
+
+@dataclass
+class Previous:
+    """What `out` holds from an earlier run of this stage."""
+
+    done: HiddenStates | None = None  # a finished run of these exact inputs, every shard sound: the result
+    known: dict[str, str] = field(default_factory=dict)  # shard file -> sha256 a finished run recorded
+    # shard file -> its problem (None: sound), for the shards `previous_run` hashed
+    checked: dict[str, str | None] = field(default_factory=dict)
+
+
+def previous_run(out: Path, fp: dict[str, Any]) -> Previous:
+    """Read `out`'s manifest, if any. A finished run of inputs `fp` whose shards all hash to the recorded
+    sha256s is returned as `done`; otherwise the manifest is removed (out is about to change: it is no
+    longer a finished stage), and the recorded sha256s are kept to check committed shards against."""
+    prev = Previous()
+    if HiddenStates.exists(out):
+        done = HiddenStates.read(out)
+        prev.known = {s.file: s.sha256 for s in done.shards}
+        if done.inputs == fp:
+            prev.checked = {s.file: shard_problem(out / s.file, s.sha256) for s in done.shards}
+            if not any(prev.checked.values()):
+                prev.done = done
+                return prev
+        (out / "manifest.json").unlink()  # out is about to change: it is no longer a finished stage
+    return prev
+
+
+def open_out(out: Path) -> None:
+    """Create `out/shards` and remove the temp files a killed run left there (their renames never happened)."""
+    (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    clean_temp_files(out)
+    clean_temp_files(out / SHARD_DIR)
+
+
+@dataclass
+class ExtractRun:
+    """One extraction's shard plan, what is already done, and what this run wrote so far (`plan_run` builds it;
+    `fill_shard` fills it in shard by shard)."""
+
+    out: Path
+    cfg: ExtractConfig
+    target: Target
+    layer_ids: list[int]  # the aux layers' ids, then the last layer's
+    model_fp: str
+    samples: Samples
+    plans: list[ShardPlan]
+    known: dict[str, str]  # shard file -> sha256 a finished run recorded
+    committed: set[str]  # shard files already on disk with their plan's key, whole: kept as they are
+    reusable: dict[str, tuple[HiddenStateStore, int]]  # sample id -> (a reuse dir's store, its row there)
+    backend: Backend | None  # built by the first shard with a sample to compute, unless the caller gave one
+    shard_sha: dict[str, str] = field(default_factory=dict)  # shard file -> its sha256, for every shard done
+    n_reused: int = 0
+    n_computed: int = 0
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.layer_ids) - 1
+
+    @property
+    def hidden(self) -> int:
+        return self.target.hidden_size
+
+    def todo_shards(self) -> list[ShardPlan]:
+        return [p for p in self.plans if p.file not in self.committed]
+
+    def todo_tokens(self) -> int:
+        """Tokens the backend will compute: those of the uncommitted shards' samples that no reuse dir holds
+        (a sample twice in one shard is computed once)."""
+        return sum(
+            n_tok
+            for p in self.todo_shards()
+            for sid, n_tok in dict(zip(p.sample_ids, p.lengths, strict=True)).items() if sid not in self.reusable
+        )
+
+    def fill_shard(self, p: ShardPlan, on_tokens: Callable[[int], None]) -> None:
+        """Record the sha256 of shard `p`: a committed one as it is, else after writing it (temp file, then
+        rename: `ShardWriter.write`) from its reused and newly computed samples."""
+        if p.file in self.committed:
+            # a known one was just checked
+            self.shard_sha[p.file] = self.known.get(p.file) or sha256_file_cached(self.out / p.file)
+            return
+        w = ShardWriter(p, self.n_aux, self.hidden, self.cfg.storage)
+        todo = self.add_reused(p, w)
+        if todo:
+            self.compute(p, w, todo, on_tokens)
+        self.shard_sha[p.file] = w.write(self.out)
+
+    def add_reused(self, p: ShardPlan, w: ShardWriter) -> list[int]:
+        """Copy into `w` the samples of `p` a reuse dir holds, as stored; return the rows left to compute,
+        each distinct sample id once."""
+        todo = []
+        seen: set[str] = set()
+        for row, sid in zip(p.rows, p.sample_ids, strict=True):
+            if sid in seen:
+                continue  # the same content twice: compute it once, store it twice
+            seen.add(sid)
+            if sid in self.reusable:
+                st, i = self.reusable[sid]
+                w.add_stored(sid, st.raw(i))
+                self.n_reused += 1
+            else:
+                todo.append(row)
+        return todo
+
+    def compute(self, p: ShardPlan, w: ShardWriter, todo: list[int], on_tokens: Callable[[int], None]) -> None:
+        """Run the backend (built here on first use) over prepared rows `todo` and add each result to `w`:
+        token ids [T], hidden [T, L, H] per sample, checked against the sample's own ids and mask."""
+        if self.backend is None:
+            self.backend = make_backend(self.cfg, self.target, self.layer_ids, self.out, max(self.samples.length))
+        batch = []
+        for row in todo:
+            ids, _ = self.samples.tensors(row)
+            batch.append((self.samples.sample_id[row], ids))
+        rows_by_id = {self.samples.sample_id[r]: r for r in todo}
+        # closing(): on a bad sample the backend's generator cleans up at once (vLLM files)
+        with contextlib.closing(self.backend.extract(batch, on_tokens=on_tokens)) as results:
+            for sid, tok, h in results:
+                if sid not in rows_by_id:
+                    raise ValueError(f"shard {p.file}: backend returned unknown sample {sid}")
+                ids, mask = self.samples.tensors(rows_by_id[sid])
+                w.add(sid, ids, mask, tok, h)
+                self.n_computed += 1
+
+    def manifest(self, fp: dict[str, Any], model: Path, index_sha: str, tokens_computed: int,
+                 seconds: float) -> HiddenStates:
+        """The stage's manifest once every planned shard is on disk (`shard_sha` full), with this run's stats."""
+        out, cfg, hidden = self.out, self.cfg, self.hidden
+        shards = [
+            HiddenShardInfo(
+                file=p.file, sha256=self.shard_sha[p.file], split=p.split, num_samples=len(p.rows),
+                num_tokens=p.num_tokens, num_bytes=(out / p.file).stat().st_size,
+            )
+            for p in self.plans
+        ]
+        splits: dict[str, dict[str, int]] = {}
+        for s in shards:
+            acc = splits.setdefault(s.split, {"num_samples": 0, "num_tokens": 0})
+            acc["num_samples"] += s.num_samples
+            acc["num_tokens"] += s.num_tokens
+        num_tokens = sum(s.num_tokens for s in shards)
+        num_bytes = sum(s.num_bytes for s in shards)
+        backend = self.backend
+        return HiddenStates(
+            config=cfg.model_dump(mode="json"),
+            inputs=fp,
+            model_dir=str(model),
+            model_fingerprint=self.model_fp,
+            backend=getattr(backend, "name", cfg.backend) if backend is not None else cfg.backend,
+            num_hidden_layers=self.target.num_layers,
+            hidden_size=hidden,
+            aux_layer_ids=self.layer_ids[:-1],
+            layer_ids=self.layer_ids,
+            storage=cfg.storage,
+            index_file=INDEX_FILE,
+            index_sha256=index_sha,
+            shards=shards,
+            splits=splits,
+            num_samples=sum(s.num_samples for s in shards),
+            num_tokens=num_tokens,
+            num_bytes=num_bytes,
+            stats={
+                "tokens_computed": tokens_computed,
+                "seconds": round(seconds, 3),
+                "tokens_per_second": round(tokens_computed / seconds, 1) if tokens_computed and seconds > 0 else None,
+                "bytes_per_token": round(num_bytes / num_tokens, 3),
+                "bytes_ratio": round(num_bytes / num_tokens / (4 * hidden * 2), 4),
+                "samples_computed": self.n_computed,
+                "samples_reused": self.n_reused,
+                "shards_skipped": len(self.committed),
+                "shards_written": len(self.plans) - len(self.committed),
+            },
+        )
+
+
+def plan_run(out: Path, cfg: ExtractConfig, target: Target, samples: Samples, prev: Previous,
+             reuse: Sequence[str | Path], backend: Backend | None) -> ExtractRun:
+    """Plan the shards of `samples`, and find which are already committed in `out` and which samples the
+    `reuse` dirs hold (a reuse dir of another model, layer ids or storage is named and skipped)."""
     layer_ids = target.layer_ids(cfg.aux_layer_ids)
-    n_aux = len(layer_ids) - 1
     model_fp = target.fingerprint()
     # A shard's bytes depend on these and on its sample ids (content hashes) only -- not on the
     # prepared manifest as a whole, so an in-place rerun on grown data keeps unchanged shards.
@@ -209,167 +415,61 @@ def run_extract(
         "layer_ids": layer_ids,
         "storage": cfg.storage,
     }
-    fp = inputs(model, prepared, cfg, trust_remote_code)
-    cfg_dump = cfg.model_dump(mode="json")
-
-    known: dict[str, str] = {}  # shard file -> sha256 a finished run recorded
-    checked: dict[str, str | None] = {}  # shard file -> its problem (None: sound), for shards hashed below
-    if HiddenStates.exists(out):
-        done = HiddenStates.read(out)
-        known = {s.file: s.sha256 for s in done.shards}
-        if done.inputs == fp:
-            checked = {s.file: shard_problem(out / s.file, s.sha256) for s in done.shards}
-            if not any(checked.values()):
-                return done
-        (out / "manifest.json").unlink()  # out is about to change: it is no longer a finished stage
-    (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    clean_temp_files(out)
-    clean_temp_files(out / SHARD_DIR)
-
-    samples = load_samples(prepared, prep, cfg.splits)
-    if cfg.backend == "vllm":
-        check_engine_length(samples, target.max_position_embeddings)
-    tok_bytes = bytes_per_token(n_aux, hidden, cfg.storage)
+    tok_bytes = bytes_per_token(len(layer_ids) - 1, target.hidden_size, cfg.storage)
     plans = plan_shards(samples, tok_bytes, cfg.shard_bytes, common)
+    committed = committed_shards(out, plans, prev)
+    reusable: dict[str, tuple[HiddenStateStore, int]] = {}
+    for st in _open_reuse(reuse, out, common):
+        for i, sid in enumerate(st.sample_ids):
+            reusable.setdefault(sid, (st, i))
+    return ExtractRun(out, cfg, target, layer_ids, model_fp, samples, plans, prev.known, committed, reusable, backend)
 
+
+def committed_shards(out: Path, plans: list[ShardPlan], prev: Previous) -> set[str]:
+    """The planned shard files already committed in `out`."""
     # Which shards are already committed (same plan key, whole, and the bytes a finished run recorded,
-    # when one did), which samples an earlier run has. A damaged shard is named and recomputed.
+    # when one did). A damaged shard is named and recomputed.
     committed = set()
     for p in plans:
         if (m := shard_meta(out / p.file)) is None or m.get("key") != p.key:
             continue
-        bad = checked[p.file] if p.file in checked else shard_problem(out / p.file, known.get(p.file))
+        bad = prev.checked[p.file] if p.file in prev.checked else shard_problem(out / p.file, prev.known.get(p.file))
         if bad:
             print(f"eagle3 extract: {bad}; rebuilding it", file=sys.stderr)
         else:
             committed.add(p.file)
-    stores = _open_reuse(reuse, out, common)
-    reusable: dict[str, tuple[HiddenStateStore, int]] = {}
-    for st in stores:
-        for i, sid in enumerate(st.sample_ids):
-            reusable.setdefault(sid, (st, i))
-    todo_tokens = sum(
-        n_tok
-        for p in plans if p.file not in committed
-        for sid, n_tok in dict(zip(p.sample_ids, p.lengths, strict=True)).items() if sid not in reusable
-    )
-    disk_preflight(out, [p for p in plans if p.file not in committed], n_aux, hidden, cfg.storage)
+    return committed
 
-    bar = None
-    if show_progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
-    done_tokens = 0
+class TokenProgress:
+    """The backends' `on_tokens` callback: counts the tokens this run computed (`done`), moves the bar when
+    one is shown and reports `progress(tokens done, tokens to do)` after each batch."""
 
-    def on_tokens(k: int) -> None:
-        nonlocal done_tokens
-        done_tokens += k
-        if bar is not None:
-            bar.update(k)
-        if progress is not None:
-            progress(done_tokens, todo_tokens)
+    def __init__(self, todo: int, progress: Progress | None, show: bool) -> None:
+        self.todo, self.done, self.progress, self.bar = todo, 0, progress, None
+        if show:
+            from tqdm.auto import tqdm
 
-    t0 = time.perf_counter()
-    shard_sha: dict[str, str] = {}
-    n_reused = n_computed = 0
-    try:
-        for p in plans:
-            if p.file in committed:
-                # a known one was just checked
-                shard_sha[p.file] = known.get(p.file) or sha256_file_cached(out / p.file)
-                continue
-            w = ShardWriter(p, n_aux, hidden, cfg.storage)
-            todo = []
-            seen: set[str] = set()
-            for row, sid in zip(p.rows, p.sample_ids, strict=True):
-                if sid in seen:
-                    continue  # the same content twice: compute it once, store it twice
-                seen.add(sid)
-                if sid in reusable:
-                    st, i = reusable[sid]
-                    w.add_stored(sid, st.raw(i))
-                    n_reused += 1
-                else:
-                    todo.append(row)
-            if todo:
-                if backend is None:
-                    backend = make_backend(cfg, target, layer_ids, out, max(samples.length))
-                batch = []
-                for row in todo:
-                    ids, _ = samples.tensors(row)
-                    batch.append((samples.sample_id[row], ids))
-                rows_by_id = {samples.sample_id[r]: r for r in todo}
-                # closing(): on a bad sample the backend's generator cleans up at once (vLLM files)
-                with contextlib.closing(backend.extract(batch, on_tokens=on_tokens)) as results:
-                    for sid, tok, h in results:
-                        if sid not in rows_by_id:
-                            raise ValueError(f"shard {p.file}: backend returned unknown sample {sid}")
-                        ids, mask = samples.tensors(rows_by_id[sid])
-                        w.add(sid, ids, mask, tok, h)
-                        n_computed += 1
-            shard_sha[p.file] = w.write(out)
-    finally:
-        if bar is not None:
-            bar.close()
-        close = getattr(backend, "close", None)
-        if close is not None:
-            close()
-    seconds = time.perf_counter() - t0
+            self.bar = tqdm(total=todo, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
 
-    # Drop shards of an older plan (a different config or input) that this plan does not name.
+    def __call__(self, k: int) -> None:
+        self.done += k
+        if self.bar is not None:
+            self.bar.update(k)
+        if self.progress is not None:
+            self.progress(self.done, self.todo)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def drop_stale_shards(out: Path, plans: list[ShardPlan]) -> None:
+    """Drop shards of an older plan (a different config or input) that this plan does not name."""
     planned = {p.file for p in plans}
     for f in (out / SHARD_DIR).glob("*.safetensors"):
         if f"{SHARD_DIR}/{f.name}" not in planned:
             f.unlink()
-
-    index_sha = _write_index(out, plans)
-    shards = [
-        HiddenShardInfo(
-            file=p.file, sha256=shard_sha[p.file], split=p.split, num_samples=len(p.rows),
-            num_tokens=p.num_tokens, num_bytes=(out / p.file).stat().st_size,
-        )
-        for p in plans
-    ]
-    splits: dict[str, dict[str, int]] = {}
-    for s in shards:
-        acc = splits.setdefault(s.split, {"num_samples": 0, "num_tokens": 0})
-        acc["num_samples"] += s.num_samples
-        acc["num_tokens"] += s.num_tokens
-    num_tokens = sum(s.num_tokens for s in shards)
-    num_bytes = sum(s.num_bytes for s in shards)
-    man = HiddenStates(
-        config=cfg_dump,
-        inputs=fp,
-        model_dir=str(model),
-        model_fingerprint=model_fp,
-        backend=getattr(backend, "name", cfg.backend) if backend is not None else cfg.backend,
-        num_hidden_layers=n,
-        hidden_size=hidden,
-        aux_layer_ids=layer_ids[:-1],
-        layer_ids=layer_ids,
-        storage=cfg.storage,
-        index_file=INDEX_FILE,
-        index_sha256=index_sha,
-        shards=shards,
-        splits=splits,
-        num_samples=sum(s.num_samples for s in shards),
-        num_tokens=num_tokens,
-        num_bytes=num_bytes,
-        stats={
-            "tokens_computed": done_tokens,
-            "seconds": round(seconds, 3),
-            "tokens_per_second": round(done_tokens / seconds, 1) if done_tokens and seconds > 0 else None,
-            "bytes_per_token": round(num_bytes / num_tokens, 3),
-            "bytes_ratio": round(num_bytes / num_tokens / (4 * hidden * 2), 4),
-            "samples_computed": n_computed,
-            "samples_reused": n_reused,
-            "shards_skipped": len(committed),
-            "shards_written": len(plans) - len(committed),
-        },
-    )
-    man.write(out)
-    return man
 
 
 def _write_index(out: Path, plans: list[ShardPlan]) -> str:

@@ -223,6 +223,26 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         raise ValueError("--fsdp needs CUDA; on CPU the trainer uses DDP")
     hidden = HiddenStates.read(hidden_dir)
     ver = VerifierWeights.read(verifier_dir)
+    rs = load_replay(cfg, replay, hidden, hidden_dir, world)
+    fp = inputs(hidden_dir, verifier_dir, cfg, rs)
+    if world.main and (done := finished(out, fp)) is not None:
+        dist.shutdown()
+        return done
+
+    run = Run(cfg, world, hidden, ver, hidden_dir, verifier_dir, out, rs, fp)
+    run.resume(restart_on_mismatch)
+    run.open_metrics()
+    run.fit(progress)
+    run.finish()
+    result = run.export(verifier_name) if world.main else None
+    dist.shutdown()
+    return result
+
+
+def load_replay(cfg: TrainConfig, replay: str | Path | None, hidden: HiddenStates, hidden_dir: Path,
+                world: dist.Dist) -> ReplaySet | None:
+    """The replay set validation replays, when one is given and `cfg.replay_prompts` asks for it; it must come
+    from the target the hidden states were extracted from."""
     rs = None
     if replay is not None and cfg.replay_prompts:
         rs = ReplaySet.load(replay, hidden.aux_layer_ids)
@@ -231,184 +251,286 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
                              f"{hidden_dir}")
     elif cfg.replay_prompts and world.main:
         log.info("train: no replay set given (--replay): validation reports simulated tau only")
-    fp = inputs(hidden_dir, verifier_dir, cfg, rs)
-    config = cfg.model_dump(mode="json")
-    if world.main and TrainedDraft.exists(out):
+    return rs
+
+
+def finished(out: Path, fp: dict[str, Any]) -> TrainedDraft | None:
+    """The manifest of `out` when it already holds this exact result (inputs `fp`, final/ exported), else None."""
+    if TrainedDraft.exists(out):
         done = TrainedDraft.read(out)
         if done.inputs == fp and (out / FINAL / "config.json").is_file():
             log.info("train: %s already holds this exact result; nothing to do", out)
-            dist.shutdown()
             return done
+    return None
 
-    draft = build_draft(cfg, hidden, verifier_dir).to(world.device)
-    # A tied target (SmolLM2, Llama-3.2-1B, ...): the head's lm_head *is* the draft's frozen
-    # embedding, one [V, H] fp32 copy instead of two (113 MB for SmolLM2). FSDP shards the
-    # embedding, so there the head keeps its own.
-    shared = draft.embed_tokens.weight.detach() if ver.tied_embeddings and not cfg.fsdp else None
-    head = TargetHead.from_verifier(verifier_dir, lm_head=shared).to(world.device)
-    train_store = open_store(hidden_dir, "train")
-    val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
-    lengths = train_store.lengths
-    n_packs = len(epoch_packs(lengths, cfg.seed, 0, cfg.pack_tokens))
-    spe = steps_per_epoch(n_packs, world.world, cfg.grad_accum)
-    total = cfg.max_steps or cfg.epochs * spe
-    weights = step_weights(cfg.ttt_steps, cfg.step_decay)
 
-    pos, best = Pos(), {"tau": -1.0, "step": -1}
-    last_val = -1  # step of the latest validation: a checkpoint is saved before its step's epoch-end validation
+@dataclass
+class Pace:
+    """The step loop's progress report: a tqdm `bar` on a terminal; without one (`tty` False: torchrun under
+    Prefect) one log line per train record instead. `meter` holds the rows since the last train record, which
+    began at `t_win`; `t_start` and `step_start` are where this process's loop began (its rate, for the ETA)."""
+
+    bar: Any
+    tty: bool
+    meter: Meter
+    t_win: float
+    t_start: float
+    step_start: int
+
+
+class Run:
+    """One training run: the state its steps share, set up by the constructor, `resume` and `open_metrics`.
+
+    Fixed: cfg, world, out, hidden (the hidden states' manifest), rs (the replay set or None), fp (`inputs`),
+    config (cfg as JSON), draft (the bare draft), head (the target's norm + lm_head), the train / val stores,
+    lengths (the train samples' token counts), spe (optimizer steps per epoch), total (optimizer steps of the
+    run), weights (the TTT steps' loss weights), amp (bf16 autocast on CUDA), tops (`TopCache`).
+    Built by `resume`: model (`TTT` wrapped for DDP / FSDP), params (its trainable parameters), opt, sched.
+    Moving, and saved in every checkpoint: pos; best (the best validation so far: tau, step, metric, sim_tau,
+    replay_tau); last_val (the step of the latest validation, -1 before the first).
+    """
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    tb: TensorBoard
+
+    def __init__(self, cfg: TrainConfig, world: dist.Dist, hidden: HiddenStates, ver: VerifierWeights,
+                 hidden_dir: Path, verifier_dir: Path, out: Path, rs: ReplaySet | None, fp: dict[str, Any]):
+        """Build the draft (seeded: the same init on every rank) and the target head on the device, open the
+        stores and size the run from the train split's packs."""
+        self.cfg, self.world, self.hidden, self.out, self.rs, self.fp = cfg, world, hidden, out, rs, fp
+        self.config = cfg.model_dump(mode="json")
+        self.draft = build_draft(cfg, hidden, verifier_dir).to(world.device)
+        # A tied target (SmolLM2, Llama-3.2-1B, ...): the head's lm_head *is* the draft's frozen
+        # embedding, one [V, H] fp32 copy instead of two (113 MB for SmolLM2). FSDP shards the
+        # embedding, so there the head keeps its own.
+        shared = self.draft.embed_tokens.weight.detach() if ver.tied_embeddings and not cfg.fsdp else None
+        self.head = TargetHead.from_verifier(verifier_dir, lm_head=shared).to(world.device)
+        self.train_store = open_store(hidden_dir, "train")
+        self.val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
+        self.lengths = self.train_store.lengths
+        n_packs = len(epoch_packs(self.lengths, cfg.seed, 0, cfg.pack_tokens))
+        self.spe = steps_per_epoch(n_packs, world.world, cfg.grad_accum)
+        self.total = cfg.max_steps or cfg.epochs * self.spe
+        self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)
+        self.pos, self.best = Pos(), {"tau": -1.0, "step": -1}
+        # step of the latest validation: a checkpoint is saved before its step's epoch-end validation
+        self.last_val = -1
+        self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if world.device.type == "cuda" else nullcontext()
+        self.tops = TopCache()
+        self.metrics_path = out / METRICS
 
     # ---- resume: model, optimizer, scheduler, data position, RNG
-    last = ckpt.latest(out)
-    if last is not None:
+    def resume(self, restart_on_mismatch: bool) -> None:
+        """Wrap the draft and build its optimizer and LR schedule; from the latest checkpoint in `out`, when
+        one of this config and these inputs is there, load the weights, the optimizer and scheduler state,
+        the RNG state and `pos` / `best` / `last_val`."""
+        last = self.latest_checkpoint(restart_on_mismatch)
+        if last is not None:
+            self.draft.load_state_dict(last[1])  # before wrapping: FSDP2 then shards the loaded weights
+        self.build_model()
+        if last is not None:
+            self.restore(last[0], last[2])
+
+    def latest_checkpoint(self, restart_on_mismatch: bool) -> tuple[Path, dict, dict] | None:
+        """(dir, draft state dict, trainer state) of the latest valid checkpoint in `out`, or None. One of
+        another config or other inputs is an error, or, with `restart_on_mismatch`, is cleared on rank 0
+        together with the metrics, final/, manifest and curves (every rank waits on both sides of that)."""
+        last = ckpt.latest(self.out)
+        if last is None:
+            return None
         state_dict, state, meta = ckpt.load(last)
-        if meta.get("config") != config or meta.get("inputs") != fp:
+        if meta.get("config") != self.config or meta.get("inputs") != self.fp:
             if not restart_on_mismatch:
                 raise ValueError(f"{last}: checkpoint of a different config or different inputs; "
-                                 f"use a new --out dir (or delete {out / ckpt.CKPT_DIR})")
+                                 f"use a new --out dir (or delete {self.out / ckpt.CKPT_DIR})")
             dist.barrier()
-            if world.main:
-                log.warning("train: %s holds a run of another config or other inputs; starting over", out)
-                ckpt.clear(out, [METRICS, FINAL, "manifest.json", "curves.png"])
+            if self.world.main:
+                log.warning("train: %s holds a run of another config or other inputs; starting over", self.out)
+                ckpt.clear(self.out, [METRICS, FINAL, "manifest.json", "curves.png"])
             dist.barrier()
-            last = None
-    if last is not None:
-        draft.load_state_dict(state_dict)  # before wrapping: FSDP2 then shards the loaded weights
-    model = dist.wrap(TTT(draft, cfg.ttt_steps, cfg.attn_block, weights, loss=cfg.loss, eta=cfg.lk_eta, topk=cfg.topk,
-                         topk_weight=cfg.topk_weight), world, cfg.fsdp)
-    # The optimizer is built on the wrapped model's parameters (FSDP2 replaces them with shards).
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
-    if last is not None:
-        dist.load_optimizer_state(model, opt, state["optimizer"], cfg.fsdp)
-        sched.load_state_dict(state["scheduler"])
+            return None
+        return last, state_dict, state
+
+    def build_model(self) -> None:
+        """The TTT module wrapped for DDP / FSDP, its AdamW optimizer and warmup + cosine LR schedule."""
+        cfg = self.cfg
+        self.model = dist.wrap(TTT(self.draft, cfg.ttt_steps, cfg.attn_block, self.weights, loss=cfg.loss,
+                                   eta=cfg.lk_eta, topk=cfg.topk, topk_weight=cfg.topk_weight), self.world, cfg.fsdp)
+        # The optimizer is built on the wrapped model's parameters (FSDP2 replaces them with shards).
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, self.total))
+
+    def restore(self, last: Path, state: dict[str, Any]) -> None:
+        """Load checkpoint `last`'s trainer state (as `save` wrote it) into the optimizer, scheduler, RNG and
+        the run's position."""
+        dist.load_optimizer_state(self.model, self.opt, state["optimizer"], self.cfg.fsdp)
+        self.sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
-        pos, best = Pos(**state["pos"]), state["best"]
-        last_val = state.get("last_val", -1)
-        if world.main:
-            log.info("train: resumed from %s (step %d, epoch %d, epoch step %d)", last.name, pos.step, pos.epoch,
-                     pos.epoch_step)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if world.device.type == "cuda" else nullcontext()
-    metrics_path = out / METRICS
-    if world.main:
-        out.mkdir(parents=True, exist_ok=True)
-        _truncate_metrics(metrics_path, pos.step, last_val)
-    tb = TensorBoard(out, world.main)
+        self.pos, self.best = Pos(**state["pos"]), state["best"]
+        self.last_val = state.get("last_val", -1)
+        if self.world.main:
+            log.info("train: resumed from %s (step %d, epoch %d, epoch step %d)", last.name, self.pos.step,
+                     self.pos.epoch, self.pos.epoch_step)
 
-    def emit(rec: dict[str, Any]) -> None:
-        _log_metrics(metrics_path, rec)
-        tb.log(rec)
+    def open_metrics(self) -> None:
+        """Create `out` and drop the metrics a killed run logged after its checkpoint (rank 0); open TensorBoard."""
+        if self.world.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            _truncate_metrics(self.metrics_path, self.pos.step, self.last_val)
+        self.tb = TensorBoard(self.out, self.world.main)
 
-    def save(tag: str) -> None:
-        sd = dist.full_state_dict(model if cfg.fsdp else draft)
-        sd = {k.removeprefix("draft."): v for k, v in sd.items()}
-        osd = dist.optimizer_state(model, opt, cfg.fsdp)  # collective under FSDP: every rank calls it
-        if world.main:
-            state = {"optimizer": osd, "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
-                     "pos": pos.__dict__.copy(), "best": dict(best), "last_val": last_val}
-            ckpt.save(out, tag, sd, state, {"config": config, "inputs": fp, "step": pos.step})
-            if tag.startswith("step-"):
-                ckpt.prune(out, cfg.keep_last)
-        dist.barrier()
+    def emit(self, rec: dict[str, Any]) -> None:
+        """Append one metrics record (rank 0 only) to metrics.jsonl and TensorBoard."""
+        _log_metrics(self.metrics_path, rec)
+        self.tb.log(rec)
 
-    tops = TopCache()
+    # ---- the step loop
+    def fit(self, progress: bool) -> None:
+        """Optimizer steps from `pos` to `total`, epoch by epoch; each epoch's end is validated (unless its
+        last step just was) before the next epoch's packs are drawn."""
+        from tqdm.auto import tqdm
 
-    def run_validation() -> None:
-        nonlocal best, last_val
-        last_val = pos.step
-        v = validate(model, head, val_store, cfg, world, amp, tops)
-        if rs is not None:
-            v.update(replay_validate(draft, rs, cfg.replay_k, world, amp, dist.gathered(model, cfg.fsdp)))
+        # A bar on a terminal; under torchrun-in-Prefect (no TTY) one log line per log step instead.
+        tty = sys.stderr.isatty()
+        bar = tqdm(total=self.total, initial=self.pos.step, unit="step", desc="train",
+                   disable=not (progress and self.world.main and tty), dynamic_ncols=True, mininterval=2.0)
+        t_start = time.perf_counter()
+        pace = Pace(bar, tty, Meter(self.cfg.ttt_steps), time.perf_counter(), t_start, self.pos.step)
+        pos = self.pos
+        self.model.train()
+        while pos.step < self.total:
+            packs = epoch_packs(self.lengths, self.cfg.seed, pos.epoch, self.cfg.pack_tokens)
+            while pos.epoch_step < self.spe and pos.step < self.total:
+                self.step(packs, pace)
+            if pos.epoch_step >= self.spe:  # epoch end
+                if self.last_val != pos.step:
+                    self.run_validation()
+                pos.epoch, pos.epoch_step = pos.epoch + 1, 0
+        bar.close()
+
+    def step(self, packs: list[list[int]], pace: Pace) -> None:
+        """One optimizer step on this epoch's `packs` (sample indices per packed row), then what falls due at
+        it: the train record (every log_every steps and at the last), a validation (every val_every) and a
+        checkpoint (every ckpt_every; the last step's is `finish`'s)."""
+        cfg, pos = self.cfg, self.pos
+        self.backward_rows(packs, pace.meter)
+        gnorm = optimizer_step(self.params, self.opt, cfg.grad_clip, self.sched)
+        pos.step += 1
+        pos.epoch_step += 1
+        pace.bar.update(1)
+        if pos.step % cfg.log_every == 0 or pos.step == self.total:
+            self.log_train(pace, gnorm)
+        if pos.step % cfg.val_every == 0:
+            self.run_validation()
+        if pos.step % cfg.ckpt_every == 0 and pos.step < self.total:
+            self.save(f"step-{pos.step:08d}")
+
+    def backward_rows(self, packs: list[list[int]], meter: Meter) -> None:
+        """Forward and backward this rank's `grad_accum` rows of the step at `pos.epoch_step`, each row's loss
+        scaled by 1/grad_accum; DDP all-reduces the gradients on the last row's backward only (`no_sync`)."""
+        cfg, world = self.cfg, self.world
+        rows = micro_packs(packs, self.pos.epoch_step, world.rank, world.world, cfg.grad_accum)
+        for a, idx in enumerate(rows):
+            batch = collate(self.train_store, idx, cfg.pack_tokens, world.device)
+            sync = a == len(rows) - 1 or not hasattr(self.model, "no_sync")
+            with (nullcontext() if sync else self.model.no_sync()):
+                out = row_pass(self.model, self.tops(self.head, batch, "train", idx), batch, self.amp)
+                (out.loss / cfg.grad_accum).backward()
+            meter.add(out, None, rows=1, tokens=batch["input_ids"].numel())
+
+    def log_train(self, pace: Pace, gnorm: torch.Tensor) -> None:
+        """The train record of the rows since the last one (summed over ranks): metrics.jsonl, TensorBoard, the
+        bar's postfix, or a log line with the ETA without a terminal; then a new window."""
+        pos, total = self.pos, self.total
+        w = pace.meter.reduce(self.world)
+        dt = time.perf_counter() - pace.t_win
+        rec = {"split": "train", "step": pos.step, "epoch": pos.epoch, "lr": self.sched.get_last_lr()[0],
+               "grad_norm": float(gnorm), "tokens_per_s": w["tokens"] / max(dt, 1e-9), **w}
+        if self.world.main:
+            self.emit(rec)
+            pace.bar.set_postfix_str(f"loss {w['loss']:.3f} acc0 {w['acc'][0]:.3f} {rec['tokens_per_s']:,.0f} tok/s")
+            if not pace.tty:
+                rate = (pos.step - pace.step_start) / max(time.perf_counter() - pace.t_start, 1e-9)
+                log.info("train step %d/%d  loss %.4f  acc %s  %.0f tok/s  ETA %s", pos.step, total, w["loss"],
+                         [round(x, 3) for x in w["acc"]], rec["tokens_per_s"],
+                         _eta((total - pos.step) / max(rate, 1e-9)))
+        pace.meter, pace.t_win = Meter(self.cfg.ttt_steps), time.perf_counter()
+
+    def run_validation(self) -> None:
+        """Validate at `pos.step` (all ranks): loss, top-1 and simulated tau, plus replay tau with a replay set;
+        rank 0 logs the record. A new best by replay tau (else simulated tau) is saved as the `best` checkpoint."""
+        cfg, pos = self.cfg, self.pos
+        self.last_val = pos.step
+        v = validate(self.model, self.head, self.val_store, cfg, self.world, self.amp, self.tops)
+        if self.rs is not None:
+            v.update(replay_validate(self.draft, self.rs, cfg.replay_k, self.world, self.amp,
+                                     dist.gathered(self.model, cfg.fsdp)))
         metric = "replay_tau" if "replay_tau" in v else "sim_tau"
         if metric not in v:
             return
-        if world.main:
-            emit({"split": "val", "step": pos.step, "epoch": pos.epoch, **v})
+        if self.world.main:
+            self.emit({"split": "val", "step": pos.step, "epoch": pos.epoch, **v})
             log.info("val step %d: loss %.4f acc %s sim tau %.3f%s", pos.step, v.get("loss", float("nan")),
                      [round(a, 3) for a in v.get("acc", [])], v.get("sim_tau", float("nan")),
                      f" replay tau {v['replay_tau']:.3f} (k={cfg.replay_k})" if "replay_tau" in v else "")
-        if v[metric] > best["tau"]:
-            best = {"tau": v[metric], "step": pos.step, "metric": metric, "sim_tau": v.get("sim_tau"),
-                    "replay_tau": v.get("replay_tau")}
-            save(ckpt.BEST)
+        if v[metric] > self.best["tau"]:
+            self.best = {"tau": v[metric], "step": pos.step, "metric": metric, "sim_tau": v.get("sim_tau"),
+                         "replay_tau": v.get("replay_tau")}
+            self.save(ckpt.BEST)
 
-    from tqdm.auto import tqdm
+    def save(self, tag: str) -> None:
+        """Checkpoint `tag` (step-XXXXXXXX or best) under out/checkpoints: the full draft weights, the optimizer,
+        scheduler and RNG state and pos / best / last_val; rank 0 writes it (`ckpt.save`: an atomic dir) and
+        prunes old step checkpoints to keep_last. Every rank calls it (gathers under FSDP), and waits for it."""
+        cfg, world = self.cfg, self.world
+        sd = dist.full_state_dict(self.model if cfg.fsdp else self.draft)
+        sd = {k.removeprefix("draft."): v for k, v in sd.items()}
+        osd = dist.optimizer_state(self.model, self.opt, cfg.fsdp)  # collective under FSDP: every rank calls it
+        if world.main:
+            state = {"optimizer": osd, "scheduler": self.sched.state_dict(), "rng": ckpt.rng_state(),
+                     "pos": self.pos.__dict__.copy(), "best": dict(self.best), "last_val": self.last_val}
+            ckpt.save(self.out, tag, sd, state, {"config": self.config, "inputs": self.fp, "step": self.pos.step})
+            if tag.startswith("step-"):
+                ckpt.prune(self.out, cfg.keep_last)
+        dist.barrier()
 
-    # A bar on a terminal; under torchrun-in-Prefect (no TTY) one log line per log step instead.
-    tty = sys.stderr.isatty()
-    bar = tqdm(total=total, initial=pos.step, unit="step", desc="train", disable=not (progress and world.main and tty),
-               dynamic_ncols=True, mininterval=2.0)
-    t_start, step_start = time.perf_counter(), pos.step
-    window = Meter(cfg.ttt_steps)
-    t_win = time.perf_counter()
-    model.train()
-    while pos.step < total:
-        packs = epoch_packs(lengths, cfg.seed, pos.epoch, cfg.pack_tokens)
-        while pos.epoch_step < spe and pos.step < total:
-            rows = micro_packs(packs, pos.epoch_step, world.rank, world.world, cfg.grad_accum)
-            for a, idx in enumerate(rows):
-                batch = collate(train_store, idx, cfg.pack_tokens, world.device)
-                sync = a == len(rows) - 1 or not hasattr(model, "no_sync")
-                with (nullcontext() if sync else model.no_sync()):
-                    out_ = row_pass(model, tops(head, batch, "train", idx), batch, amp)
-                    (out_.loss / cfg.grad_accum).backward()
-                window.add(out_, None, rows=1, tokens=batch["input_ids"].numel())
-            gnorm = optimizer_step(params, opt, cfg.grad_clip, sched)
-            pos.step += 1
-            pos.epoch_step += 1
-            bar.update(1)
-            if pos.step % cfg.log_every == 0 or pos.step == total:
-                w = window.reduce(world)
-                dt = time.perf_counter() - t_win
-                rec = {"split": "train", "step": pos.step, "epoch": pos.epoch, "lr": sched.get_last_lr()[0],
-                       "grad_norm": float(gnorm), "tokens_per_s": w["tokens"] / max(dt, 1e-9), **w}
-                if world.main:
-                    emit(rec)
-                    bar.set_postfix_str(f"loss {w['loss']:.3f} acc0 {w['acc'][0]:.3f} {rec['tokens_per_s']:,.0f} tok/s")
-                    if not tty:
-                        rate = (pos.step - step_start) / max(time.perf_counter() - t_start, 1e-9)
-                        log.info("train step %d/%d  loss %.4f  acc %s  %.0f tok/s  ETA %s", pos.step, total, w["loss"],
-                                 [round(x, 3) for x in w["acc"]], rec["tokens_per_s"],
-                                 _eta((total - pos.step) / max(rate, 1e-9)))
-                window, t_win = Meter(cfg.ttt_steps), time.perf_counter()
-            if pos.step % cfg.val_every == 0:
-                run_validation()
-            if pos.step % cfg.ckpt_every == 0 and pos.step < total:
-                save(f"step-{pos.step:08d}")
-        if pos.epoch_step >= spe:  # epoch end
-            if last_val != pos.step:
-                run_validation()
-            pos.epoch, pos.epoch_step = pos.epoch + 1, 0
-    bar.close()
-    if last_val != pos.step:
-        run_validation()  # a run that stopped mid-epoch on max_steps, or a resumed finished run
-    save(f"step-{pos.step:08d}")
-    tb.close()
+    def finish(self) -> None:
+        """After the loop: validate the last step unless that just happened, save its checkpoint, close TensorBoard."""
+        if self.last_val != self.pos.step:
+            self.run_validation()  # a run that stopped mid-epoch on max_steps, or a resumed finished run
+        self.save(f"step-{self.pos.step:08d}")
+        self.tb.close()
 
-    result = None
-    if world.main:
+    # ---- export and commit (rank 0)
+    def export(self, verifier_name: str) -> TrainedDraft:
+        """Export the best checkpoint (the last step's when no validation gave one) to out/final, plot the
+        curves, and write the stage's manifest last: its presence marks the stage done."""
+        cfg, out, best = self.cfg, self.out, self.best
         src = out / ckpt.CKPT_DIR / ckpt.BEST if (out / ckpt.CKPT_DIR / ckpt.BEST).is_dir() else last_step_dir(out)
         state_dict, _, meta = ckpt.load(src)
-        export(state_dict, draft.config, cfg.ttt_steps, out / FINAL, cfg.export_format,
-               verifier=verifier_name or hidden.model_dir,
+        export(state_dict, self.draft.config, cfg.ttt_steps, out / FINAL, cfg.export_format,
+               verifier=verifier_name or self.hidden.model_dir,
                extra={"best_step": best["step"], "best_metric": best.get("metric", "sim_tau"),
                       "sim_tau": best.get("sim_tau", best["tau"]), "replay_tau": best.get("replay_tau"),
-                      "train_config": config})
-        plot_curves(metrics_path, out / "curves.png")
+                      "train_config": self.config})
+        plot_curves(self.metrics_path, out / "curves.png")
         result = TrainedDraft(
-            config=config, inputs=fp, final_dir=FINAL, export_format=cfg.export_format,
-            steps=pos.step, best_step=best["step"], best_metric=best.get("metric", "sim_tau"),
+            config=self.config, inputs=self.fp, final_dir=FINAL, export_format=cfg.export_format,
+            steps=self.pos.step, best_step=best["step"], best_metric=best.get("metric", "sim_tau"),
             best_sim_tau=best["sim_tau"] if best.get("sim_tau") is not None
             else (best["tau"] if best.get("metric", "sim_tau") == "sim_tau" else 0.0),
             best_replay_tau=best.get("replay_tau"),
-            val=_last_val(metrics_path), draft_config=draft.config.model_dump(mode="json"),
+            val=_last_val(self.metrics_path), draft_config=self.draft.config.model_dump(mode="json"),
             weights_sha256=sha256_file(out / FINAL / "model.safetensors"),
         )
         result.write(out)
-        log.info("train: done, %d steps; best %s %.3f at step %d; exported %s", pos.step,
+        log.info("train: done, %d steps; best %s %.3f at step %d; exported %s", self.pos.step,
                  best.get("metric", "sim_tau").replace("_", " "), best["tau"], best["step"], out / FINAL)
-    dist.shutdown()
-    return result
+        return result
 
 
 def _eta(seconds: float) -> str:
