@@ -18,6 +18,7 @@ or a pipeline config's section of it) with every flag overriding it, then `run`,
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -84,3 +85,14 @@ class Stage(Command):
         m = self.run(a.out, self.cfg(a), **self.args(a))
         print(json.dumps({"out": a.out, **self.summary(m)}, indent=1, default=str))
         return m
+
+
+def lazy_exports(module: str) -> Callable[[str], Any]:
+    """A stage package's `__getattr__`: its names (`prepare`, `run_extract`, ...) load `module` on first use, so
+    the registry, and with it `eagle3 --help`, imports no torch or transformers."""
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(importlib.import_module(module), name)
+
+    return __getattr__

@@ -3,12 +3,11 @@ from __future__ import annotations
 import sys
 
 from eagle3.config import EvalConfig, ReplaySetConfig
-from eagle3.eval.run import evaluate, inputs
 from eagle3.flags import MODEL, OUT, TRUST
-from eagle3.stage import Command, Stage
+from eagle3.stage import Command, Stage, lazy_exports
 from eagle3.storage.manifests import EvalReport
 
-__all__ = ["REPLAY_SET", "STAGE", "evaluate"]
+__getattr__ = lazy_exports("eagle3.eval.run")  # evaluate, inputs
 
 
 def _console(i: int, n: int) -> None:
@@ -17,10 +16,14 @@ def _console(i: int, n: int) -> None:
 
 def _run(out, cfg: EvalConfig, *, model, draft, trust_remote_code: bool = False, progress=None) -> EvalReport:
     """A progress callback (prompts done, total) replaces the console's line per prompt."""
+    from eagle3.eval.run import evaluate
+
     return evaluate(model, draft, out, cfg, trust_remote_code=trust_remote_code, progress=progress or _console)
 
 
 def _inputs(cfg: EvalConfig, *, model, draft, trust_remote_code: bool = False, **_) -> dict:
+    from eagle3.eval.run import inputs
+
     return inputs(model, draft, cfg, trust_remote_code)
 
 

@@ -7,22 +7,25 @@ The store's format and its reader (`eagle3.storage.store.open_store`) live below
 from __future__ import annotations
 
 from eagle3.config import ExtractConfig
-from eagle3.extract.run import inputs, run_extract
 from eagle3.flags import MODEL, OUT, PREPARED, REUSE, TRUST
-from eagle3.stage import Stage
+from eagle3.stage import Stage, lazy_exports
 from eagle3.storage.manifests import HiddenStates
 
-__all__ = ["STAGE", "run_extract"]
+__getattr__ = lazy_exports("eagle3.extract.run")  # run_extract, inputs
 
 
 def _run(out, cfg: ExtractConfig, *, model, prepared, reuse=(), trust_remote_code: bool = False,
         progress=None) -> HiddenStates:
     """A progress callback (tokens done, total) replaces the console's bar."""
+    from eagle3.extract.run import run_extract
+
     return run_extract(model, prepared, out, cfg, reuse=list(reuse or []), progress=progress,
                        show_progress=progress is None, trust_remote_code=trust_remote_code)
 
 
 def _inputs(cfg: ExtractConfig, *, model, prepared, trust_remote_code: bool = False, **_) -> dict:
+    from eagle3.extract.run import inputs
+
     return inputs(model, prepared, cfg, trust_remote_code)
 
 

@@ -9,11 +9,10 @@ import sys
 
 from eagle3.config import PrepareConfig
 from eagle3.flags import MODEL, OUT, TRUST
-from eagle3.prepare.run import VOCAB_FILE, inputs, prepare, show_samples
-from eagle3.stage import Stage
+from eagle3.stage import Stage, lazy_exports
 from eagle3.storage.manifests import PreparedData
 
-__all__ = ["STAGE", "VOCAB_FILE", "inputs", "prepare", "show_samples"]
+__getattr__ = lazy_exports("eagle3.prepare.run")  # VOCAB_FILE, inputs, prepare, show_samples
 
 
 def summary(m: PreparedData) -> dict:
@@ -28,16 +27,22 @@ def headline(m: PreparedData) -> str:
 
 
 def _run(out, cfg: PrepareConfig, *, model, trust_remote_code: bool = False, progress: bool = True) -> PreparedData:
+    from eagle3.prepare.run import prepare
+
     return prepare(model, out, cfg, progress=progress, trust_remote_code=trust_remote_code)
 
 
 def _inputs(cfg: PrepareConfig, *, model, trust_remote_code: bool = False, **_) -> dict:
+    from eagle3.prepare.run import inputs
+
     return inputs(model, cfg, trust_remote_code)
 
 
 def _main(a) -> None:
     STAGE.command(a)
     if a.show:
+        from eagle3.prepare.run import show_samples
+
         for text in show_samples(a.model, a.out, a.show, a.trust_remote_code, color=sys.stdout.isatty()):
             print(text)
 

@@ -11,26 +11,31 @@ import sys
 
 from eagle3.config import RegenConfig
 from eagle3.flags import MODEL, OUT, REUSE, TRUST
-from eagle3.regenerate.run import FORMAT, OUT_FILE, inputs, progress_line, read_records, regenerate
-from eagle3.stage import Stage
+from eagle3.stage import Stage, lazy_exports
 from eagle3.storage.manifests import RegeneratedData
 
-__all__ = ["OUT_FILE", "STAGE", "progress_line", "read_records", "regenerate"]
+__getattr__ = lazy_exports("eagle3.regenerate.run")  # OUT_FILE, progress_line, read_records, regenerate
 
 
 def _console(p: dict) -> None:
+    from eagle3.regenerate.run import progress_line
+
     print(progress_line(p), file=sys.stderr, flush=True)
 
 
 def _run(out, cfg: RegenConfig, *, model, data, reuse=(), trust_remote_code: bool = False,
         progress=None) -> RegeneratedData:
     """A progress callback (the counts so far) replaces the console's line per chunk."""
+    from eagle3.regenerate.run import regenerate
+
     return regenerate(model, data, out, cfg, reuse=reuse or (), trust_remote_code=trust_remote_code,
                       progress=progress or _console)
 
 
 def _inputs(cfg: RegenConfig, *, model, data, trust_remote_code: bool = False, **_) -> dict:
     # the output's format is part of the key: a new file layout must not hit an old cache entry
+    from eagle3.regenerate.run import FORMAT, inputs
+
     return {"format": [RegeneratedData.format_version, FORMAT], **inputs(model, data, cfg, trust_remote_code)}
 
 

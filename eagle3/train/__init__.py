@@ -13,7 +13,6 @@ from eagle3.flags import UserError
 from eagle3.stage import Stage
 from eagle3.storage.manifests import TrainedDraft
 from eagle3.train.launch import command, run_rank
-from eagle3.train.loop import inputs
 
 __all__ = ["STAGE"]
 
@@ -31,6 +30,8 @@ def _run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", re
 
 def _inputs(cfg: TrainConfig, *, hidden, verifier, **_) -> dict:
     # the replay set (when built) follows from the target and the prepared data (both behind `hidden`) and cfg
+    from eagle3.train.loop import inputs
+
     return inputs(hidden, verifier, cfg)
 
 

@@ -6,18 +6,21 @@ shards (run.py).
 from __future__ import annotations
 
 from eagle3.flags import MODEL, OUT, PREPARED
-from eagle3.stage import Stage
+from eagle3.stage import Stage, lazy_exports
 from eagle3.storage.manifests import VerifierWeights
-from eagle3.verifier.run import OUT_FILE, extract_verifier, inputs
 
-__all__ = ["OUT_FILE", "STAGE", "extract_verifier", "inputs"]
+__getattr__ = lazy_exports("eagle3.verifier.run")  # OUT_FILE, extract_verifier, inputs
 
 
 def _run(out, cfg: None = None, *, model, prepared) -> VerifierWeights:
+    from eagle3.verifier.run import extract_verifier
+
     return extract_verifier(model, prepared, out)
 
 
 def _inputs(cfg: None = None, *, model, prepared, **_) -> dict:
+    from eagle3.verifier.run import inputs
+
     return inputs(model, prepared)
 
 
