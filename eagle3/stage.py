@@ -66,7 +66,8 @@ class Stage(Command):
     def add_to(self, p: argparse.ArgumentParser) -> None:
         super().add_to(p)
         if self.config is not None:
-            p.add_argument(*CONFIG[:1], **CONFIG[1])
+            flag, kw = CONFIG
+            p.add_argument(flag, **kw)
 
     def cfg(self, a: argparse.Namespace):
         """The stage's config from parsed flags: --config's file first, the flags given over it."""
