@@ -198,6 +198,19 @@ class PipelineConfig(_Cfg):
     )
     run_dir: str = Field("runs/demo", description="root dir: each stage writes its own subdir (run_dir/prepare, "
                          "run_dir/extract, ...)")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: extract every hidden state to a store on disk, then train on it; online: the "
+        "target produces them while the trainer consumes them, through a spool of at most spool_bytes (no full store "
+        "is written; each epoch re-produces the data)",
+    )
+    spool_bytes: int = Field(
+        4 << 30, ge=1 << 20, description="online: the spool's cap on disk, in bytes (the validation shard plus the "
+        "train shards produced ahead of the trainer); the producer waits while it is full",
+    )
+    spool_wait_s: float = Field(
+        900.0, gt=0, description="online: how long one side waits for the other (a producer for the trainer to make "
+        "room, a trainer for its next shard) with no sign of life from it before it fails",
+    )
     prepare: PrepareConfig = Field(default_factory=PrepareConfig, description=PrepareConfig.__doc__)
     extract: ExtractConfig = Field(default_factory=ExtractConfig, description=ExtractConfig.__doc__)
     train: TrainConfig = Field(default_factory=TrainConfig, description=TrainConfig.__doc__)
