@@ -169,6 +169,13 @@ class TrainConfig(_Cfg):
         "the verifier's vocab map; empty: a fresh draft",
     )
 
+    def read_order(self, world: int):
+        """What fixes the order this run reads samples in, for `world` ranks (an online producer's plan)."""
+        from eagle3.storage.spool import Order
+
+        return Order(seed=self.seed, pack_tokens=self.pack_tokens, epochs=self.epochs, max_steps=self.max_steps,
+                     grad_accum=self.grad_accum, world=world, val_max_packs=self.val_max_packs)
+
 
 class TargetPlan(_Cfg):
     """The target's shape, for planning (preflight) a run whose model dir is not on this machine yet.

@@ -8,5 +8,5 @@ from eagle3.stage import Command, Stage
 
 STAGES: dict[str, Stage] = {s.name: s for s in (regenerate.STAGE, prepare.STAGE, extract.STAGE, verifier.STAGE,
                                                 train.STAGE, eval.STAGE)}
-COMMANDS: dict[str, Command] = {c.name: c for c in (assets.COMMAND, *STAGES.values(), eval.REPLAY_SET,
+COMMANDS: dict[str, Command] = {c.name: c for c in (assets.COMMAND, *STAGES.values(), extract.PRODUCE, eval.REPLAY_SET,
                                                     checksums.COMMAND)}

@@ -1,14 +1,18 @@
-"""Stage 2: hidden-state extraction (transformers or vLLM backend) into a sharded, checksummed store.
+"""Stage 2: hidden-state extraction (transformers or vLLM backend) into a sharded, checksummed store, or,
+online, into the bounded spool a trainer reads as it is filled (`eagle3 produce`).
 
     run_extract(model, prepared, out, cfg)  -> HiddenStates manifest
+    produce(model, prepared, spool, cfg, order, spool_bytes)  -> SpooledStates manifest
 
 The store's format and its reader (`eagle3.storage.store.open_store`) live below the stages: training reads it.
 """
 from __future__ import annotations
 
+import json
+
 from eagle3.config import ExtractConfig
 from eagle3.flags import MODEL, OUT, PREPARED, REUSE, TRUST
-from eagle3.stage import Stage, lazy_exports
+from eagle3.stage import Command, Stage, lazy_exports
 from eagle3.storage.manifests import HiddenStates
 
 __getattr__ = lazy_exports("eagle3.extract.run")  # run_extract, inputs
@@ -46,4 +50,38 @@ STAGE = Stage(
     aliases={"aux_layer_ids": "--aux-layers", "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp"},
     flags=(MODEL, PREPARED, OUT, TRUST, REUSE),
     run=_run, inputs=_inputs, summary=summary, headline=headline,
+)
+
+
+def _produce(a) -> None:
+    """`eagle3 produce`: the trainer's config (its read order) and the budget come from a pipeline config's
+    `train` section and `spool_bytes`, or from the flags."""
+    from eagle3.config import PipelineConfig, TrainConfig, load_section
+    from eagle3.extract.online import produce
+    from eagle3.flags import from_flags
+
+    cfg = from_flags(ExtractConfig, a, load_section(a.config, "extract") if a.config else None)
+    pipe = PipelineConfig.from_file(a.config) if a.config and "train" in load_section(a.config, "") else None
+    train = (TrainConfig.model_validate(load_section(a.train_config, "train")) if a.train_config
+             else pipe.train if pipe else TrainConfig())
+    spool_bytes = a.spool_bytes or (pipe.spool_bytes if pipe else PipelineConfig().spool_bytes)
+    m = produce(a.model, a.prepared, a.out, cfg, train.read_order(a.world or train.nproc_per_node), spool_bytes,
+                wait_s=a.wait_s, trust_remote_code=a.trust_remote_code)
+    print(json.dumps({"out": a.out, "spool_bytes": m.spool_bytes, "windows": m.num_windows, **m.stats}, indent=1))
+
+
+PRODUCE = Command(
+    name="produce", help="online: fill a trainer's spool with the target's hidden states as it reads them "
+    "(run `eagle3 train --online --hidden SPOOL` beside it)",
+    main=_produce, config=ExtractConfig, locked=True, aliases=STAGE.aliases,
+    flags=(MODEL, PREPARED, ("--out", dict(required=True, help="the spool dir (the trainer's --hidden)")), TRUST,
+           ("--config", dict(default=None, help="a pipeline config (its extract and train sections and spool_bytes) "
+                             "or an extract config; flags override it")),
+           ("--train-config", dict(default=None, help="the trainer's config file (its read order: seed, pack_tokens, "
+                                   "epochs, max_steps, grad_accum, val_max_packs); default: --config's train section")),
+           ("--world", dict(type=int, default=None, help="the trainer's ranks (default its nproc_per_node)")),
+           ("--spool-bytes", dict(type=int, default=None, help="the spool's cap in bytes (default: the config's "
+                                  "spool_bytes, 4 GiB)")),
+           ("--wait-s", dict(type=float, default=900.0, help="fail when the trainer has shown no sign of life for "
+                             "this many seconds while the producer waits on it"))),
 )

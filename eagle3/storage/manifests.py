@@ -185,6 +185,61 @@ class HiddenStates(StageManifest):
         return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "stats", "model_dir"})
 
 
+class SpoolSource(StageManifest):
+    """What an online producer's hidden states are, written first into its spool dir (`source.json`, not
+    `manifest.json`: the stage is not done when it appears). The trainer reads it where an offline run reads
+    HiddenStates: the same fields, plus every sample's token count, from which both sides plan the same
+    windows (eagle3.storage.spool)."""
+
+    stage: ClassVar[str] = "spool-source"
+    format_version: ClassVar[int] = 1
+    volatile: ClassVar[set[str]] = {"model_dir"}
+    FILE: ClassVar[str] = "source.json"
+
+    model_dir: str = ""
+    model_fingerprint: str = ""
+    num_hidden_layers: int = 0
+    hidden_size: int = 0
+    aux_layer_ids: list[int] = Field(default_factory=list)
+    layer_ids: list[int] = Field(default_factory=list)
+    storage: str = "bf16"
+    lengths: dict[str, list[int]] = Field(default_factory=dict, description="split -> token count of each sample, "
+                                          "in prepared order")
+    splits: dict[str, dict[str, int]] = Field(default_factory=dict, description="split -> samples/tokens")
+
+    def write(self, out_dir: str | Path) -> Path:
+        self.seal()
+        path = Path(out_dir) / self.FILE
+        atomic_write_json(path, self.model_dump(mode="json"))
+        return path
+
+    @classmethod
+    def read(cls, out_dir: str | Path) -> "SpoolSource":
+        path = Path(out_dir) / cls.FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no spool source (has the online producer started?)")
+        return cls.model_validate(json.loads(path.read_text()))
+
+
+class SpooledStates(StageManifest):
+    """Output of an online producer, written once the trainer has read every window: what it produced, and
+    the spool's peak. Nothing of the states is kept (the spool's shards are deleted)."""
+
+    stage: ClassVar[str] = "extract-online"
+    format_version: ClassVar[int] = 1
+    volatile: ClassVar[set[str]] = {"model_dir"}
+
+    model_dir: str = ""
+    backend: str = ""
+    source_fingerprint: str = ""
+    spool_bytes: int = 0
+    num_windows: int = 0
+    stats: dict[str, Any] = Field(default_factory=dict, description="run statistics; not part of the fingerprint")
+
+    def _content(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "stats", "model_dir"})
+
+
 class TensorInfo(BaseModel):
     """One stored tensor: its shape, dtype and where it came from."""
 

@@ -340,16 +340,20 @@ class HiddenStateStore(Sequence):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        r = self.raw(i)
-        aux = dequantize_fp8(r["aux"], r["aux_scale"]) if "aux_scale" in r else r["aux"]
-        fin = dequantize_fp8(r["final"], r["final_scale"]) if "final_scale" in r else r["final"]
-        return {
-            "sample_id": self.sample_ids[i],
-            "input_ids": r["input_ids"],
-            "loss_mask": r["loss_mask"],
-            "aux_hidden_states": aux,
-            "final_hidden_states": fin,
-        }
+        return as_sample(self.sample_ids[i], self.raw(i))
+
+
+def as_sample(sample_id: str, r: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A stored sample `r` (as `raw` returns it) as the dict readers hand out; fp8 states dequantized to fp32."""
+    aux = dequantize_fp8(r["aux"], r["aux_scale"]) if "aux_scale" in r else r["aux"]
+    fin = dequantize_fp8(r["final"], r["final_scale"]) if "final_scale" in r else r["final"]
+    return {
+        "sample_id": sample_id,
+        "input_ids": r["input_ids"],
+        "loss_mask": r["loss_mask"],
+        "aux_hidden_states": aux,
+        "final_hidden_states": fin,
+    }
 
 
 def open_store(root: str | os.PathLike, split: str | None = None) -> HiddenStateStore:

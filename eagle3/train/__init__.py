@@ -18,9 +18,10 @@ __all__ = ["STAGE"]
 
 
 def _run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", restart_on_mismatch: bool = False,
-        replay: str | None = None) -> TrainedDraft:
+        replay: str | None = None, online: bool = False, wait_s: float = 900.0) -> TrainedDraft:
     """Train `cfg` here (one process) or under torchrun (cfg.nproc_per_node > 1, this host)."""
-    kw = dict(verifier_name=verifier_name, restart_on_mismatch=restart_on_mismatch, replay=replay)
+    kw = dict(verifier_name=verifier_name, restart_on_mismatch=restart_on_mismatch, replay=replay, online=online,
+              wait_s=wait_s)
     if cfg.nproc_per_node == 1:
         run_rank(cfg, out, hidden=hidden, verifier=verifier, **kw)
     elif rc := subprocess.call(command(hidden, verifier, out, cfg, **kw)):
@@ -28,11 +29,11 @@ def _run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", re
     return TrainedDraft.read(out)
 
 
-def _inputs(cfg: TrainConfig, *, hidden, verifier, **_) -> dict:
+def _inputs(cfg: TrainConfig, *, hidden, verifier, online: bool = False, **_) -> dict:
     # the replay set (when built) follows from the target and the prepared data (both behind `hidden`) and cfg
     from eagle3.train.loop import inputs
 
-    return inputs(hidden, verifier, cfg)
+    return inputs(hidden, verifier, cfg, online=online)
 
 
 def summary(m: TrainedDraft) -> dict:
@@ -59,6 +60,10 @@ STAGE = Stage(
                                        "--out instead of refusing to start")),
         ("--replay", dict(default=None, help="a replay set dir (`eagle3 replay-set`): validation reports replay tau "
                           "on it and picks the best checkpoint by it (with --replay-prompts above 0)")),
+        ("--online", dict(action="store_true", help="--hidden is an online producer's spool dir, read as it is filled "
+                          "(`eagle3 produce`)")),
+        ("--wait-s", dict(type=float, default=900.0, help="online: fail when the producer has shown no sign of life "
+                          "for this many seconds while the trainer waits on it")),
     ),
     run=_run, inputs=_inputs, summary=summary, headline=headline,
 )

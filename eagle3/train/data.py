@@ -1,54 +1,14 @@
-"""Training data: stored hidden states packed into rows of whole documents, no padding.
+"""Training data: one packed row of whole documents from a hidden-state store, no padding.
 
-Each epoch shuffles the sample order with (seed, epoch), then packs greedily in that order into
-rows of at most `pack_tokens` tokens (a longer sample is cut to `pack_tokens`). The pack list is
-a pure function of (lengths, seed, epoch, pack_tokens), so a resumed run rebuilds it exactly and
-skips to its saved position.
-
-Optimizer step s of an epoch consumes packs [s*G, (s+1)*G), G = world * grad_accum; rank r takes
-micro-batches s*G + a*world + r for a in range(grad_accum). With the same G, 1 process x 2
-micro-batches and 2 processes x 1 see the same packs per step. The last global batch of an
-epoch is filled by wrapping around to the first packs (torch's DistributedSampler does the same).
+Which samples go in which row, and in which step, is `eagle3.storage.order` (re-exported here).
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
+from eagle3.storage.order import epoch_packs, micro_packs, pack, steps_per_epoch
 
-def pack(lengths: Sequence[int], order: Sequence[int], pack_tokens: int) -> list[list[int]]:
-    """Greedy packing in `order`: a new row starts when the next sample would overflow."""
-    rows: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i in order:
-        n = min(int(lengths[i]), pack_tokens)
-        if cur and used + n > pack_tokens:
-            rows.append(cur)
-            cur, used = [], 0
-        cur.append(int(i))
-        used += n
-    if cur:
-        rows.append(cur)
-    return rows
-
-
-def epoch_packs(lengths: Sequence[int], seed: int, epoch: int, pack_tokens: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(len(lengths), generator=g).tolist()
-    return pack(lengths, order, pack_tokens)
-
-
-def steps_per_epoch(n_packs: int, world: int, grad_accum: int) -> int:
-    G = world * grad_accum
-    return -(-n_packs // G)
-
-
-def micro_packs(packs: list[list[int]], step: int, rank: int, world: int, grad_accum: int) -> list[list[int]]:
-    """The packs rank `rank` trains on in optimizer step `step` of the epoch."""
-    G = world * grad_accum
-    return [packs[(step * G + a * world + rank) % len(packs)] for a in range(grad_accum)]
+__all__ = ["collate", "epoch_packs", "micro_packs", "pack", "steps_per_epoch"]
 
 
 def collate(store, idx: list[int], pack_tokens: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -26,10 +26,11 @@ from eagle3.decoding.chains import ReplaySet, replay_counts
 from eagle3.model.draft import DraftConfig, Eagle3Draft
 from eagle3.model.formats import export
 from eagle3.runtime import heap
+from eagle3.storage import spool
 from eagle3.storage.atomic import append_text, atomic_write_text
 from eagle3.storage.hashing import sha256_file
-from eagle3.storage.manifests import HiddenStates, TrainedDraft, VerifierWeights
-from eagle3.storage.store import open_store
+from eagle3.storage.manifests import HiddenStates, SpoolSource, TrainedDraft, VerifierWeights
+from eagle3.storage.store import bytes_per_token, open_store
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
@@ -174,14 +175,15 @@ def validate(model, head, store, cfg: TrainConfig, world: dist.Dist, amp, cache:
 
 
 def inputs(hidden_dir: str | Path, verifier_dir: str | Path, cfg: TrainConfig,
-           replay: ReplaySet | None = None) -> dict[str, Any]:
+           replay: ReplaySet | None = None, online: bool = False) -> dict[str, Any]:
     """What a trained draft depends on: the hidden states' and verifier's manifests, a warm start's weights,
     the config, and the replay set validation chose the best checkpoint by. The stage's "already done" check
     (and checkpoints' resume check) and the Prefect task's cache key are all this dict; the task keys without
     the replay set, which it builds from what the key holds (the target and the prepared data, both behind
-    the hidden states, and cfg's replay fields)."""
+    the hidden states, and cfg's replay fields). Online, the hidden states are named by the spool's source.json:
+    what the producer computes them from, the same states an offline store of those inputs holds."""
     return {
-        "hidden_states": HiddenStates.read(hidden_dir).fingerprint,
+        "hidden_states": (SpoolSource.read(hidden_dir) if online else HiddenStates.read(hidden_dir)).fingerprint,
         "verifier": VerifierWeights.read(verifier_dir).fingerprint,
         "init_from": sha256_file(Path(cfg.init_from) / "model.safetensors") if cfg.init_from else None,
         "config": cfg.model_dump(mode="json"),
@@ -206,13 +208,15 @@ def replay_validate(draft: Eagle3Draft, rs: ReplaySet, k: int, d: dist.Dist, amp
 
 def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, out: str | Path,
           verifier_name: str = "", progress: bool = True, restart_on_mismatch: bool = False,
-          replay: str | Path | None = None) -> TrainedDraft | None:
+          replay: str | Path | None = None, online: bool = False, wait_s: float = 900.0) -> TrainedDraft | None:
     """Train (or resume) a draft; rank 0 returns the manifest of `out`, other ranks None.
 
     Checkpoints in `out` from another config or other inputs are an error, or, with
     `restart_on_mismatch` (the pipeline's choice: its stage dir follows its inputs), are cleared.
     `replay`: a replay set dir (`eagle3 replay-set`); with `cfg.replay_prompts` > 0
     each validation reports its replay tau, and the best checkpoint is chosen by it.
+    `online`: `hidden_dir` is an online producer's spool (eagle3.storage.spool), read window by window as
+    it is filled; one side silent for `wait_s` seconds while the other waits on it fails the run.
     """
     hidden_dir, verifier_dir, out = Path(hidden_dir), Path(verifier_dir), Path(out)
     world = dist.init()
@@ -221,20 +225,25 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         torch.set_num_threads(cfg.threads)
     if cfg.fsdp and world.device.type != "cuda":
         raise ValueError("--fsdp needs CUDA; on CPU the trainer uses DDP")
-    hidden = HiddenStates.read(hidden_dir)
-    ver = VerifierWeights.read(verifier_dir)
-    rs = load_replay(cfg, replay, hidden, hidden_dir, world)
-    fp = inputs(hidden_dir, verifier_dir, cfg, rs)
-    if world.main and (done := finished(out, fp)) is not None:
-        dist.shutdown()
-        return done
+    with spool.beating(hidden_dir / spool.TRAINER_BEAT) if online and world.main else nullcontext():
+        hidden = spool.wait_source(hidden_dir, wait_s) if online else HiddenStates.read(hidden_dir)
+        ver = VerifierWeights.read(verifier_dir)
+        rs = load_replay(cfg, replay, hidden, hidden_dir, world)
+        fp = inputs(hidden_dir, verifier_dir, cfg, rs, online)
+        if world.main and (done := finished(out, fp)) is not None:
+            if online:
+                spool.Spool(hidden_dir).set_position(0, done=True)  # a producer started with it may end
+            dist.shutdown()
+            return done
 
-    run = Run(cfg, world, hidden, ver, hidden_dir, verifier_dir, out, rs, fp)
-    run.resume(restart_on_mismatch)
-    run.open_metrics()
-    run.fit(progress)
-    run.finish()
-    result = run.export(verifier_name) if world.main else None
+        run = Run(cfg, world, hidden, ver, hidden_dir, verifier_dir, out, rs, fp, wait_s if online else None)
+        run.resume(restart_on_mismatch)
+        run.open_metrics()
+        run.fit(progress)
+        run.finish()
+        result = run.export(verifier_name) if world.main else None
+        if online and world.main:
+            spool.Spool(hidden_dir).set_position(len(run.plan.train), done=True)  # the producer may end
     dist.shutdown()
     return result
 
@@ -297,9 +306,10 @@ class Run:
     tb: TensorBoard
 
     def __init__(self, cfg: TrainConfig, world: dist.Dist, hidden: HiddenStates, ver: VerifierWeights,
-                 hidden_dir: Path, verifier_dir: Path, out: Path, rs: ReplaySet | None, fp: dict[str, Any]):
+                 hidden_dir: Path, verifier_dir: Path, out: Path, rs: ReplaySet | None, fp: dict[str, Any],
+                 wait_s: float | None = None):
         """Build the draft (seeded: the same init on every rank) and the target head on the device, open the
-        stores and size the run from the train split's packs."""
+        stores (a spool's readers when `wait_s` is given: online) and size the run from the train split's packs."""
         self.cfg, self.world, self.hidden, self.out, self.rs, self.fp = cfg, world, hidden, out, rs, fp
         self.config = cfg.model_dump(mode="json")
         self.draft = build_draft(cfg, hidden, verifier_dir).to(world.device)
@@ -308,12 +318,19 @@ class Run:
         # embedding, so there the head keeps its own.
         shared = self.draft.embed_tokens.weight.detach() if ver.tied_embeddings and not cfg.fsdp else None
         self.head = TargetHead.from_verifier(verifier_dir, lm_head=shared).to(world.device)
-        self.train_store = open_store(hidden_dir, "train")
-        self.val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
+        self.plan: spool.Plan | None = None  # online: the spool's windows
+        if wait_s is None:
+            self.train_store = open_store(hidden_dir, "train")
+            self.val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
+        else:
+            bpt = bytes_per_token(len(hidden.layer_ids) - 1, hidden.hidden_size, hidden.storage)
+            self.plan, self.train_store, self.val_store = spool.reader_pair(
+                hidden_dir, hidden, cfg.read_order(world.world), wait_s, world.main, dist.barrier, bpt)
         self.lengths = self.train_store.lengths
         n_packs = len(epoch_packs(self.lengths, cfg.seed, 0, cfg.pack_tokens))
         self.spe = steps_per_epoch(n_packs, world.world, cfg.grad_accum)
         self.total = cfg.max_steps or cfg.epochs * self.spe
+        assert self.plan is None or self.plan.total_steps == self.total, "the spool plans another run length"
         self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)
         self.pos, self.best = Pos(), {"tau": -1.0, "step": -1}
         # step of the latest validation: a checkpoint is saved before its step's epoch-end validation
@@ -417,6 +434,8 @@ class Run:
         it: the train record (every log_every steps and at the last), a validation (every val_every) and a
         checkpoint (every ckpt_every; the last step's is `finish`'s)."""
         cfg, pos = self.cfg, self.pos
+        if self.plan is not None:
+            self.train_store.at(pos.step)  # online: the spool window this step reads (waits for it)
         self.backward_rows(packs, pace.meter)
         gnorm = optimizer_step(self.params, self.opt, cfg.grad_clip, self.sched)
         pos.step += 1

@@ -1,0 +1,396 @@
+"""The bounded spool of online training: hidden states go from the target engine to the trainer through
+a directory capped at a byte budget, so no run needs the full store on disk.
+
+Layout of a spool dir (a pipeline's extract dir in online mode):
+
+    source.json                       SpoolSource: model, layer ids, storage, every sample's token count
+                                      (the producer writes it first; the trainer waits for it)
+    plan.json                         the windows, the budget and the read order they were cut for
+    position.json                     the trainer's position: the first train window it still needs
+    shards/val-00000.safetensors      the samples validation reads, kept for the whole run
+    shards/train-{j:05d}.safetensors  window j: every sample that optimizer steps [first, end) read
+    shards/{name}.json                a shard's commit record (key, sha256, bytes), written after it
+    producer.beat, trainer.beat       touched every few seconds by a live producer / trainer
+    manifest.json                     SpooledStates: the producer's, once the trainer read every window
+
+Shards are the store's own format (`eagle3.storage.store.ShardWriter`), checksummed. The trainer's read
+order is a pure function of the samples' lengths and its order settings (`eagle3.storage.order`), so
+the producer knows before the trainer starts which samples each step reads, and both sides compute the
+same windows from the same `Order`; the trainer refuses a plan.json that differs from its own.
+
+Budget: the val shard plus the train shards on disk (temp files included) never exceed `spool_bytes`.
+The producer writes window j only when the shards on disk plus j's planned size fit; windows are cut at
+half of what the val shard leaves, so one can be written while the trainer reads the one before.
+Resume: position.json moves back to a resumed trainer's checkpoint; windows it needs again are
+produced again (the same bytes: a window is a pure function of its samples), and windows produced
+ahead of it are evicted, furthest first, when room is needed for an earlier one.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.storage.atomic import atomic_write_json
+from eagle3.storage.hashing import sha256_json
+from eagle3.storage.manifests import SpoolSource
+from eagle3.storage.order import epoch_packs, micro_packs, steps_per_epoch
+from eagle3.storage.store import SHARD_DIR, as_sample, mmap_shard, shard_meta, shard_problem
+
+PLAN, POSITION = "plan.json", "position.json"
+PRODUCER_BEAT, TRAINER_BEAT = "producer.beat", "trainer.beat"
+BEAT_EVERY = 2.0  # seconds between a live side's touches of its beat file
+POLL = 0.1  # seconds between looks at the spool while waiting
+# A shard's bytes beyond its tokens: the safetensors header (per sample: its 64-hex id and length; per
+# tensor: name, dtype, shape, offsets) and alignment. Measured headers stay under half of this.
+HEADER_PER_SAMPLE, HEADER_FIXED = 128, 4096
+
+
+@dataclass(frozen=True)
+class Order:
+    """What fixes the trainer's read order: its config's order fields and its world size."""
+
+    seed: int
+    pack_tokens: int
+    epochs: int
+    max_steps: int | None
+    grad_accum: int
+    world: int
+    val_max_packs: int | None
+
+
+@dataclass
+class Window:
+    """One spool shard: the distinct samples (`rows`, indices into the split, in first-read order) that
+    optimizer steps [first, end) read; the val window has first == end == 0."""
+
+    split: str
+    index: int
+    first: int
+    end: int
+    rows: list[int]
+    tokens: int
+    bytes: int  # planned upper bound of the shard file
+
+    @property
+    def name(self) -> str:
+        return f"{self.split}-{self.index:05d}"
+
+    @property
+    def file(self) -> str:
+        return f"{SHARD_DIR}/{self.name}.safetensors"
+
+    @property
+    def record(self) -> str:
+        return f"{SHARD_DIR}/{self.name}.json"
+
+
+@dataclass
+class Plan:
+    """Every window of a run, val first; `key` names the whole plan (and so the source, order and budget)."""
+
+    spool_bytes: int
+    order: Order
+    total_steps: int
+    val: Window | None
+    train: list[Window]
+    key: str = ""
+    _firsts: list[int] = field(default_factory=list, repr=False)
+
+    def window_of(self, step: int) -> int:
+        """The train window that optimizer step `step` reads."""
+        if not self._firsts:
+            self._firsts = [w.first for w in self.train]
+        return bisect.bisect_right(self._firsts, step) - 1
+
+    def windows(self) -> list[Window]:
+        return ([self.val] if self.val else []) + self.train
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "spool_bytes": self.spool_bytes, "order": asdict(self.order),
+                "total_steps": self.total_steps, "windows": [asdict(w) for w in self.windows()]}
+
+
+def shard_bytes(tokens: int, samples: int, bytes_per_token: int) -> int:
+    return tokens * bytes_per_token + HEADER_PER_SAMPLE * samples + HEADER_FIXED
+
+
+def step_rows(lengths: Sequence[int], order: Order) -> Iterator[list[int]]:
+    """The distinct samples each optimizer step of the run reads, over every rank, step by step."""
+    step, epoch = 0, 0
+    total = None
+    while total is None or step < total:
+        packs = epoch_packs(lengths, order.seed, epoch, order.pack_tokens)
+        spe = steps_per_epoch(len(packs), order.world, order.grad_accum)
+        total = order.max_steps or order.epochs * spe
+        for s in range(spe):
+            if step >= total:
+                return
+            rows = [i for r in range(order.world) for p in micro_packs(packs, s, r, order.world, order.grad_accum)
+                    for i in p]
+            yield list(dict.fromkeys(rows))
+            step += 1
+        epoch += 1
+
+
+def plan(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_token: int) -> Plan:
+    """Cut the run's train reads into windows that fit the budget beside the val shard (see the module doc).
+    A budget that cannot hold the val shard and the largest single step is an error that says what fits."""
+    lengths = source.lengths["train"]
+    val = None
+    vlen = source.lengths.get("val") or []
+    if vlen:
+        packs = epoch_packs(vlen, order.seed, -1, order.pack_tokens)[: order.val_max_packs]
+        rows = sorted({i for p in packs for i in p})
+        tokens = sum(vlen[i] for i in rows)
+        val = Window("val", 0, 0, 0, rows, tokens, shard_bytes(tokens, len(rows), bytes_per_token))
+    room = spool_bytes - (val.bytes if val else 0)
+    cap = room // 2
+    windows: list[Window] = []
+    cur: dict[int, None] = {}
+    first = step = 0
+
+    def cut(end: int) -> None:
+        rows = list(cur)
+        tokens = sum(lengths[i] for i in rows)
+        windows.append(Window("train", len(windows), first, end, rows, tokens,
+                              shard_bytes(tokens, len(rows), bytes_per_token)))
+
+    for step, rows in enumerate(step_rows(lengths, order)):
+        new = {**cur, **dict.fromkeys(rows)}
+        need = shard_bytes(sum(lengths[i] for i in new), len(new), bytes_per_token)
+        if cur and need > cap:
+            cut(step)
+            cur, first = dict.fromkeys(rows), step
+            need = shard_bytes(sum(lengths[i] for i in cur), len(cur), bytes_per_token)
+        else:
+            cur = new
+        if need > room:
+            raise ValueError(
+                f"spool_bytes {spool_bytes:,} is too small: optimizer step {step} alone reads {len(rows)} samples "
+                f"({need:,} bytes stored){f' beside the val shard ({val.bytes:,} bytes)' if val else ''}; "
+                f"give it at least {2 * need + (val.bytes if val else 0):,} bytes to overlap two windows")
+    cut(step + 1)
+    p = Plan(spool_bytes, order, step + 1, val, windows)
+    p.key = sha256_json({"source": source.fingerprint, **{k: v for k, v in p.to_json().items() if k != "key"}})
+    return p
+
+
+def window_key(p: Plan, w: Window) -> str:
+    """What a window's shard holds: the plan's source and the window's samples (its bytes follow from them)."""
+    return sha256_json({"plan": p.key, "split": w.split, "rows": w.rows})
+
+
+# ---------------------------------------------------------------- life signs
+@contextlib.contextmanager
+def beating(path: Path) -> Iterator[None]:
+    """Touch `path` every BEAT_EVERY seconds while the block runs (a thread: a side busy loading a model or in
+    a long step still shows it is alive); a dead process stops touching it."""
+    stop = threading.Event()
+
+    def touch() -> None:
+        while True:
+            with contextlib.suppress(OSError):
+                path.touch()
+            if stop.wait(BEAT_EVERY):
+                return
+
+    t = threading.Thread(target=touch, name=f"beat {path.name}", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+def silent_for(path: Path, since: float) -> float:
+    """Seconds since `path` was last touched (or since `since`, when it never was)."""
+    try:
+        return time.time() - max(path.stat().st_mtime, since)
+    except FileNotFoundError:
+        return time.time() - since
+
+
+class Waiter:
+    """Waits for a condition while the other side lives: raises once it has been silent `wait_s` seconds."""
+
+    def __init__(self, root: Path, other: str, wait_s: float, what: str):
+        self.beat, self.wait_s, self.what, self.since = root / other, wait_s, what, time.time()
+
+    def __call__(self, ready: Callable[[], Any]) -> Any:
+        while not (got := ready()):
+            quiet = silent_for(self.beat, self.since)
+            if quiet > self.wait_s:
+                raise RuntimeError(f"{self.beat.parent}: waited for {self.what}, but the {self.beat.stem} has shown no "
+                                   f"sign of life for {quiet:.0f} s ({self.beat.name}); is it running?")
+            time.sleep(POLL)
+        return got
+
+
+# ---------------------------------------------------------------- the spool dir
+@dataclass
+class Spool:
+    """A spool dir, as either side sees it."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+
+    def position(self) -> dict[str, Any]:
+        """{"window": the first train window the trainer still needs, "done": whether it finished}."""
+        try:
+            return json.loads((self.root / POSITION).read_text())
+        except (FileNotFoundError, ValueError):
+            return {"window": 0, "done": False}
+
+    def set_position(self, window: int, done: bool = False) -> None:
+        atomic_write_json(self.root / POSITION, {"window": window, "done": done})
+
+    def read_plan(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.root / PLAN).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def committed(self, p: Plan, w: Window) -> dict[str, Any] | None:
+        """The commit record of window `w` when its shard is on disk with this plan's key, else None."""
+        try:
+            rec = json.loads((self.root / w.record).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return rec if rec.get("key") == window_key(p, w) and (self.root / w.file).is_file() else None
+
+    def commit(self, p: Plan, w: Window, sha256: str) -> int:
+        """Record window `w`'s shard as whole (after its atomic write); returns its size."""
+        n = (self.root / w.file).stat().st_size
+        if n > w.bytes:  # the budget check planned with w.bytes: a larger shard would break the cap
+            raise AssertionError(f"{w.file}: {n} bytes, planned at most {w.bytes}")
+        atomic_write_json(self.root / w.record, {"key": window_key(p, w), "sha256": sha256, "bytes": n})
+        return n
+
+    def bytes_on_disk(self) -> int:
+        """Every file under shards/: committed shards, their records, and a shard being written."""
+        d = self.root / SHARD_DIR
+        total = 0
+        for f in d.iterdir() if d.is_dir() else ():
+            with contextlib.suppress(FileNotFoundError):
+                total += f.stat().st_size
+        return total
+
+    def drop(self, w: Window) -> None:
+        """Remove window `w` (its record first: a shard without a record is not committed)."""
+        for name in (w.record, w.file):
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / name).unlink()
+
+
+# ---------------------------------------------------------------- the trainer's side
+class SpoolReader:
+    """The trainer's view of one split of a spool: `reader[i]` is sample i as the store hands it out, for the
+    samples of the window open now; `lengths` are all the split's samples' token counts (no shard read).
+
+    Train: `at(step)` opens the window that step reads (waiting for the producer), after every rank has
+    left the one before (`barrier`); rank 0 then moves position.json, so the producer may delete it."""
+
+    def __init__(self, spool: Spool, plan: Plan, split: str, lengths: list[int], wait: Waiter, main: bool,
+                 barrier: Callable[[], None]):
+        self.spool, self.plan, self.split, self.lengths = spool, plan, split, lengths
+        self.wait, self.main, self.barrier = wait, main, barrier
+        self.window: Window | None = plan.val if split == "val" else None
+        self._pos: dict[int, tuple[int, str]] = {}  # sample -> (token offset in the shard, sample id)
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def at(self, step: int) -> None:
+        j = self.plan.window_of(step)
+        if self.window is not None and self.window.index == j:
+            return
+        if self.window is not None:
+            self.barrier()  # every rank is done with the window before: it may go
+        self.window, self._tensors = self.plan.train[j], None
+        if self.main:
+            self.spool.set_position(j)
+
+    def _open(self) -> None:
+        w = self.window
+        if w is None:
+            raise RuntimeError(f"{self.spool.root}: no {self.split} window open (call at(step) first)")
+        rec = self.wait(lambda: self.spool.committed(self.plan, w))
+        path = self.spool.root / w.file
+        bad = shard_problem(path, rec["sha256"])
+        meta = shard_meta(path) or {}
+        if bad or meta.get("key") != window_key(self.plan, w):
+            raise ValueError(bad or f"{path}: holds another window's samples (key differs from plan.json)")
+        self._tensors = mmap_shard(path)
+        self._pos, off = {}, 0
+        for k, i in enumerate(w.rows):  # the shard holds the window's rows in order, whole
+            self._pos[i] = (off, meta["sample_ids"][k])
+            off += self.lengths[i]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if self._tensors is None:
+            self._open()
+        if i not in self._pos:
+            raise KeyError(f"{self.split} sample {i} is not in spool window {self.window.name}: the trainer reads "
+                           "out of the plan's order")
+        (off, sid), n = self._pos[i], self.lengths[i]
+        return as_sample(sid, {name: t[off: off + n] for name, t in self._tensors.items()})
+
+
+def wait_plan(spool: Spool, mine: Plan, wait: Waiter) -> None:
+    """Wait until the producer's plan.json is `mine`. A different one written by a live producer (it starts
+    beating after writing its plan) is an error naming both; one a dead producer left is waited past."""
+
+    def same() -> bool:
+        theirs = spool.read_plan()
+        if theirs is None or theirs["key"] == mine.key:
+            return theirs is not None
+        try:
+            beat, written = (spool.root / PRODUCER_BEAT).stat().st_mtime, (spool.root / PLAN).stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if beat >= written and time.time() - beat < 3 * BEAT_EVERY:
+            raise ValueError(f"{spool.root / PLAN}: the producer planned for another source, read order or budget "
+                             f"({theirs['order']}, spool_bytes {theirs['spool_bytes']:,}) than this trainer "
+                             f"({asdict(mine.order)}, spool_bytes {mine.spool_bytes:,})")
+        return False
+
+    wait(same)
+
+
+def wait_source(root: Path, wait_s: float) -> SpoolSource:
+    """The spool's source.json, once the producer has written it."""
+    w = Waiter(Path(root), PRODUCER_BEAT, wait_s, "source.json")
+    return w(lambda: SpoolSource.read(root) if (Path(root) / SpoolSource.FILE).is_file() else None)
+
+
+def reader_pair(root: Path, source: SpoolSource, order: Order, wait_s: float, main: bool,
+                barrier: Callable[[], None], bytes_per_token: int) -> tuple[Plan, SpoolReader, SpoolReader | None]:
+    """The trainer's plan (checked against the producer's) and its train and val readers."""
+    spool = Spool(root)
+    wait = Waiter(spool.root, PRODUCER_BEAT, wait_s, "the producer's plan")
+    found = wait(spool.read_plan)
+    p = plan(source, order, found["spool_bytes"], bytes_per_token)
+    wait_plan(spool, p, wait)
+    shards = Waiter(spool.root, PRODUCER_BEAT, wait_s, "the next shard")
+    train = SpoolReader(spool, p, "train", source.lengths["train"], shards, main, barrier)
+    val = SpoolReader(spool, p, "val", source.lengths["val"], shards, main, barrier) if p.val else None
+    return p, train, val
+
+
+def spool_dir_bytes(root: str | os.PathLike) -> int:
+    """Bytes under a spool's shards/ now (what the budget caps)."""
+    return Spool(Path(root)).bytes_on_disk()
