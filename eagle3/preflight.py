@@ -2,7 +2,8 @@
 
 Estimates (bytes unless said otherwise):
 - prepare: tokens x 5 (int32 ids + int8 mask; Parquet compresses this further);
-- extract: tokens x bytes_per_token(3 aux + final, H, storage) -- the dominant term;
+- extract: tokens x bytes_per_token(3 aux + final, H, storage) -- the dominant term (offline: the store);
+  online (`mode: online`): the spool's cap, `spool_bytes`, which must hold the validation split plus one train shard;
 - verifier: (2 V + Vd) x H x weight bytes;
 - train: draft params P x (4 weights + 8 AdamW) per checkpoint, times (keep_last + best + one
   being written), plus the fp32 export; CPU peak memory ~ k x pack x Vd x 4 x 3 (logits, their
@@ -13,6 +14,8 @@ Token counts come from the prepare manifest when it exists, else from the source
 
 Wall time per remaining stage, on CPU from SmolLM2 rates measured on a 2-core host, scaled by the
 target's size, on GPU (vLLM) from compute-bound planning rates; a run over `max_hours` is refused.
+Online, extraction runs once per epoch the trainer reads, beside the trainer: the pair takes the longer of the two
+plus one shard's start-up, not their sum.
 """
 from __future__ import annotations
 
@@ -59,6 +62,14 @@ class Plan:
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of each remaining stage
     problems: list[str] = field(default_factory=list)
     max_hours: float = 0.0  # the budget it was judged against; 0: none
+    pair_s: float | None = None  # online: extract and train together (they overlap); None: they add up
+    store_line: str = ""  # the offline store's size beside the online spool's
+
+    def total_seconds(self) -> float:
+        """Wall time of every remaining stage: their sum, with online's extract and train counted as one pair."""
+        if self.pair_s is None:
+            return sum(self.seconds.values())
+        return sum(v for k, v in self.seconds.items() if k not in ("extract", "train")) + self.pair_s
 
     def table(self) -> str:
         lines = ["| stage | needs | estimate |", "|---|---|---|"]
@@ -69,15 +80,20 @@ class Plan:
     def time_line(self) -> str:
         """Estimated wall time ~38m12s (prepare 0m05s, extract 14m24s, ...); budget 1h00m"""
         parts = ", ".join(f"{k} {hms(v)}" for k, v in self.seconds.items())
+        if self.pair_s is not None:
+            parts += f"; online, extract and train overlap: {hms(self.pair_s)} together"
         budget = f"budget {hms(self.max_hours * 3600)}" if self.max_hours else "no time budget"
-        return f"estimated wall time ~{hms(sum(self.seconds.values()))} ({parts or 'every stage is done'}); {budget}"
+        return f"estimated wall time ~{hms(self.total_seconds())} ({parts or 'every stage is done'}); {budget}"
 
     def markdown(self) -> str:
         """The preflight artifact: the time first, then the table and the verdict."""
         verdict = "\n".join(f"- **{x}**" for x in self.problems) or "Every remaining stage fits."
         return (f"# eagle3 preflight\n\n**{self.time_line()[0].upper()}{self.time_line()[1:]}.** CPU times come "
                 f"from this project's measured rates, GPU times are compute-bound estimates.\n\n"
-                f"~{self.tokens:,} tokens\n\n{self.table()}\n\n{verdict}\n")
+                f"~{self.tokens:,} tokens\n\n{self._store()}{self.table()}\n\n{verdict}\n")
+
+    def _store(self) -> str:
+        return f"Hidden states: {self.store_line}\n\n" if self.store_line else ""
 
 
 def target_plan(cfg: PipelineConfig) -> TargetPlan:
@@ -131,6 +147,11 @@ def val_samples(cfg: PipelineConfig) -> int:
     return max(cfg.prepare.min_val, int(expected_conversations(cfg) * SHAREGPT_KEPT * cfg.prepare.val_fraction))
 
 
+def val_share(cfg: PipelineConfig) -> float:
+    """The validation split's share of the prepared samples."""
+    return min(1.0, val_samples(cfg) / max(1.0, expected_conversations(cfg) * SHAREGPT_KEPT))
+
+
 def eval_turns(cfg: PipelineConfig) -> int:
     """Turns eval generates: MT-Bench's two per question, a JSONL file's lines, or the val split's samples."""
     e = cfg.eval
@@ -165,43 +186,23 @@ def hms(s: float) -> str:
 
 
 def human(b: float) -> str:
+    if b >= 1 << 40:
+        return f"{b / (1 << 40):,.2f} TiB"
     return f"{b / GIB:,.2f} GiB" if b >= GIB / 10 else f"{b / (1 << 20):,.1f} MiB"
 
 
 def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | None = None,
          max_hours: float = 0.0) -> Plan:
     """Estimate every stage not yet finished; list the problems (does not raise)."""
-    from eagle3.storage.manifests import HiddenStates, PreparedData, TrainedDraft, VerifierWeights
-    from eagle3.storage.store import bytes_per_token
-
     t = target_plan(cfg)
     tokens = expected_tokens(cfg)
     vd = cfg.prepare.draft_vocab or min(32000, t.vocab_size)
     P = draft_params(t, vd)
     tc = cfg.train
     pl = Plan(tokens=tokens, max_hours=max_hours)
-    need: dict[str, float] = {}
-    if not PreparedData.exists(cfg.stage_dir("prepare")):
-        need["prepare"] = tokens * 5
-    if not HiddenStates.exists(cfg.stage_dir("extract")):
-        need["extract"] = tokens * bytes_per_token(3, t.hidden_size, cfg.extract.storage)
-    if not VerifierWeights.exists(cfg.stage_dir("verifier")):
-        need["verifier"] = (2 * t.vocab_size + vd) * t.hidden_size * t.weight_bytes
-    if not TrainedDraft.exists(cfg.stage_dir("train")):
-        need["train"] = P * 12 * (tc.keep_last + 2) + P * 4
-    for stage, b in need.items():
-        pl.rows.append({"stage": stage, "what": "disk", "bytes": b, "human": human(b)})
-    total = sum(need.values()) * HEADROOM
+    need = stage_disk(cfg, t, tokens, vd, P)
     free = disk_free(Path(cfg.run_dir)) if free_bytes is None else free_bytes
-    pl.rows.append({"stage": "all", "what": f"disk (x{HEADROOM} headroom) / free", "bytes": total,
-                    "human": f"{human(total)} / {human(free)}"})
-    if total > free:
-        pl.problems.append(
-            f"disk: the remaining stages need about {human(total)} under {cfg.run_dir}, but only {human(free)} is "
-            f"free. Options: storage 'fp8' (~"
-            f"{bytes_per_token(3, t.hidden_size, 'fp8') / bytes_per_token(3, t.hidden_size, cfg.extract.storage):.0%} "
-            f"of '{cfg.extract.storage}') or 'fp8-aux', fewer samples (prepare.limit / max_len), or another run_dir"
-        )
+    pl.problems += disk_plan(pl, cfg, t, need, free)
     # CPU training memory (GPU memory is the trainer's, checked by torch at start)
     # saved for backward per token and TTT step: ~3 MLP-wide + ~14 H-wide fp32 rows (measured:
     # 308 MB for SmolLM2 at k=3, 2048 tokens); the loss keeps no [L, Vd] tensor, only the
@@ -230,10 +231,15 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     # (the target's full-vocab argmax is cached per sample after the first epoch)
     cpu_s = (tokens / 700 + tokens * (tc.epochs - 1) / 1100) * (P / 10e6) * (tc.ttt_steps / 3)
     tr_s = tr_flops / (tc.nproc_per_node * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s
-    pl.seconds = stage_seconds(cfg, t, tokens, ex_s, tr_s)
+    epochs = epochs_read(cfg, tokens) if cfg.mode == "online" else 1  # online: extraction runs once per epoch
+    pl.seconds = stage_seconds(cfg, t, tokens, ex_s * epochs, tr_s)
     pl.rows += [{"stage": k, "what": "wall time (estimate)", "bytes": 0, "human": hms(v)}
                 for k, v in pl.seconds.items()]
-    total = sum(pl.seconds.values())
+    if cfg.mode == "online" and {"extract", "train"} <= pl.seconds.keys():
+        pl.pair_s = online_pair_seconds(cfg, pl.seconds, offline_store_bytes(cfg, t, tokens), epochs)
+        pl.rows.append({"stage": "extract + train", "what": f"wall time together (online, {epochs} epoch(s) "
+                        "of extraction beside the trainer)", "bytes": 0, "human": hms(pl.pair_s)})
+    total = pl.total_seconds()
     if max_hours and total > max_hours * 3600:
         big = ", ".join(f"{k} {hms(v)}" for k, v in sorted(pl.seconds.items(), key=lambda kv: -kv[1])[:2])
         pl.problems.append(
@@ -250,6 +256,104 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
             pl.problems.append(f"GPU memory: {human(per_gpu)} of weights per GPU leaves no KV cache within "
                                f"{human(budget)}; raise tensor_parallel_size or pipeline_parallel_size")
     return pl
+
+
+def offline_store_bytes(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> float:
+    """The full hidden-state store offline extraction writes."""
+    from eagle3.storage.store import bytes_per_token
+
+    return tokens * bytes_per_token(3, t.hidden_size, cfg.extract.storage)
+
+
+def spool_floor(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> float:
+    """The smallest spool online mode can run in: the validation split (kept for the run; its tokens capped at
+    train.val_max_packs rows when set) plus one train shard."""
+    val = tokens * val_share(cfg)
+    if cfg.train.val_max_packs:
+        val = min(val, cfg.train.val_max_packs * cfg.train.pack_tokens)
+    return offline_store_bytes(cfg, t, int(val)) + cfg.extract.shard_bytes
+
+
+def stage_disk(cfg: PipelineConfig, t: TargetPlan, tokens: int, vd: int, P: int) -> dict[str, float]:
+    """Bytes each stage not yet finished writes, offline (extract: the whole store)."""
+    from eagle3.storage.manifests import HiddenStates, PreparedData, TrainedDraft, VerifierWeights
+
+    tc = cfg.train
+    need: dict[str, float] = {}
+    if not PreparedData.exists(cfg.stage_dir("prepare")):
+        need["prepare"] = tokens * 5
+    if not HiddenStates.exists(cfg.stage_dir("extract")):
+        need["extract"] = offline_store_bytes(cfg, t, tokens)
+    if not VerifierWeights.exists(cfg.stage_dir("verifier")):
+        need["verifier"] = (2 * t.vocab_size + vd) * t.hidden_size * t.weight_bytes
+    if not TrainedDraft.exists(cfg.stage_dir("train")):
+        need["train"] = P * 12 * (tc.keep_last + 2) + P * 4
+    return need
+
+
+def disk_plan(pl: Plan, cfg: PipelineConfig, t: TargetPlan, need: dict[str, float], free: int) -> list[str]:
+    """Add the disk rows of the mode in use (online: extract needs the spool's cap, not the store), the offline
+    store beside the spool, the total against `free`; return the disk problems."""
+    # the spool online needs: the cap, or the floor rounded up to whole GiB where the cap is below it
+    spool = max(cfg.spool_bytes, -(-spool_floor(cfg, t, pl.tokens) // GIB) * GIB)
+    online = {**need, "extract": cfg.spool_bytes} if "extract" in need else need
+    used = online if cfg.mode == "online" else need
+    for stage, b in used.items():
+        pl.rows.append({"stage": stage, "what": "disk", "bytes": b, "human": human(b)})
+    if "extract" in need:
+        pl.store_line = f"{human(need['extract'])} offline store / {human(cfg.spool_bytes)} spool ({cfg.mode})"
+        pl.rows.append({"stage": "extract", "what": "offline store vs online spool", "bytes": need["extract"],
+                        "human": pl.store_line})
+    total = sum(used.values()) * HEADROOM
+    pl.rows.append({"stage": "all", "what": f"disk (x{HEADROOM} headroom) / free", "bytes": total,
+                    "human": f"{human(total)} / {human(free)}"})
+    problems = [] if total <= free else [disk_problem(cfg, t, total, free, spool, need)]
+    if cfg.mode == "online" and "extract" in need and cfg.spool_bytes < spool:
+        problems.append(f"spool: spool_bytes = {human(cfg.spool_bytes)} cannot hold the validation split plus one "
+                        f"train shard ({human(spool)}); raise spool_bytes, or lower train.val_max_packs or "
+                        f"extract.shard_bytes")
+    return problems
+
+
+def disk_problem(cfg: PipelineConfig, t: TargetPlan, total: float, free: int, spool: float,
+                 need: dict[str, float]) -> str:
+    """Why the remaining stages do not fit `free`, and the options: online first when it would fit."""
+    from eagle3.storage.store import bytes_per_token
+
+    head = (f"disk: the remaining stages need about {human(total)} under {cfg.run_dir}, but only {human(free)} is "
+            f"free. Options: ")
+    if cfg.mode == "online":
+        return head + (f"lower spool_bytes (now {human(cfg.spool_bytes)}; the producer waits while the spool is "
+                       f"full), fewer checkpoints (train.keep_last), or another run_dir")
+    online = (sum(need.values()) - need["extract"] + spool) * HEADROOM if "extract" in need else total
+    first = (f"mode: online with spool_bytes: {int(spool)} ({human(spool)}; about {human(online)} in all: "
+             f"no {human(need['extract'])} store is written, extraction runs again each epoch), "
+             if online <= free else "")
+    ratio = bytes_per_token(3, t.hidden_size, "fp8") / bytes_per_token(3, t.hidden_size, cfg.extract.storage)
+    return head + first + (f"storage 'fp8' (~{ratio:.0%} of '{cfg.extract.storage}') or 'fp8-aux', fewer samples "
+                           f"(prepare.limit / max_len), or another run_dir")
+
+
+def epochs_read(cfg: PipelineConfig, tokens: int) -> int:
+    """Epochs of train data the trainer reads: train.epochs, or max_steps over the steps of one epoch. Packs are
+    counted as train tokens / pack_tokens; greedy packing leaves gaps, so there are more and this errs high."""
+    tc = cfg.train
+    if not tc.max_steps:
+        return tc.epochs
+    train = tokens * (1 - val_share(cfg))
+    packs = max(1, -(-int(train) // tc.pack_tokens))
+    per_epoch = -(-packs // (tc.nproc_per_node * tc.grad_accum))
+    return -(-tc.max_steps // per_epoch)
+
+
+def online_pair_seconds(cfg: PipelineConfig, seconds: dict[str, float], store: float, epochs: int) -> float:
+    """Wall time of online extract and train run together, from each side's own time. Two stages over n shards
+    take n x max(a, b) + min(a, b), a and b one shard's time on each side: a slower trainer starts once the first
+    shard is produced, and behind a slower producer the last shard is trained after it ends. Assumes the two do
+    not slow each other down (each on its own devices)."""
+    ex, tr = seconds["extract"], seconds["train"]
+    share = min(1.0, min(cfg.extract.shard_bytes, cfg.spool_bytes) / max(store, 1.0))  # one shard of one epoch
+    return max(ex, tr) + min(ex / epochs, tr / cfg.train.epochs) * share
 
 
 def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, tr_s: float) -> dict[str, float]:
