@@ -25,6 +25,7 @@ from eagle3.storage.manifests import PreparedData, SpooledStates, SpoolSource
 from eagle3.storage.spool import (
     PLAN,
     PRODUCER_BEAT,
+    PRODUCER_ERROR,
     TRAINER_BEAT,
     Order,
     Plan,
@@ -33,6 +34,7 @@ from eagle3.storage.spool import (
     Window,
     beating,
     plan,
+    reporting,
     window_key,
 )
 from eagle3.storage.store import SHARD_DIR, ShardPlan, ShardWriter, bytes_per_token
@@ -60,15 +62,17 @@ def produce(model: str | Path, prepared: str | Path, spool: str | Path, cfg: Ext
     fp = online_inputs(model, prepared, cfg, order, spool_bytes, trust_remote_code)
     if SpooledStates.exists(root) and (done := SpooledStates.read(root)).inputs == fp:
         return done
-    run = Producer.open(root, model, prepared, cfg, order, spool_bytes, fp, wait_s, backend, trust_remote_code)
-    t0 = time.perf_counter()
-    with beating(root / PRODUCER_BEAT):
-        try:
-            run.loop(progress)
-        finally:
-            if (close := getattr(run.backend, "close", None)) is not None:
-                close()
-    return run.finish(fp, model, time.perf_counter() - t0)
+    root.mkdir(parents=True, exist_ok=True)
+    with reporting(root / PRODUCER_ERROR):
+        run = Producer.open(root, model, prepared, cfg, order, spool_bytes, fp, wait_s, backend, trust_remote_code)
+        t0 = time.perf_counter()
+        with beating(root / PRODUCER_BEAT):
+            try:
+                run.loop(progress)
+            finally:
+                if (close := getattr(run.backend, "close", None)) is not None:
+                    close()
+        return run.finish(fp, model, time.perf_counter() - t0)
 
 
 class Producer:

@@ -11,6 +11,7 @@ Layout of a spool dir (a pipeline's extract dir in online mode):
     shards/train-{j:05d}.safetensors  window j: every sample that optimizer steps [first, end) read
     shards/{name}.json                a shard's commit record (key, sha256, bytes), written after it
     producer.beat, trainer.beat       touched every few seconds by a live producer / trainer
+    producer.error, trainer.error     the error a side failed with (cleared when it starts again)
     manifest.json                     SpooledStates: the producer's, once the trainer read every window
 
 Shards are the store's own format (`eagle3.storage.store.ShardWriter`), checksummed. The trainer's read
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from eagle3.storage.atomic import atomic_write_json
+from eagle3.storage.atomic import atomic_write_json, atomic_write_text
 from eagle3.storage.hashing import sha256_json
 from eagle3.storage.manifests import SpoolSource
 from eagle3.storage.order import epoch_packs, micro_packs, steps_per_epoch
@@ -48,8 +49,10 @@ from eagle3.storage.store import SHARD_DIR, as_sample, mmap_shard, shard_meta, s
 
 PLAN, POSITION = "plan.json", "position.json"
 PRODUCER_BEAT, TRAINER_BEAT = "producer.beat", "trainer.beat"
+PRODUCER_ERROR, TRAINER_ERROR = "producer.error", "trainer.error"
 BEAT_EVERY = 2.0  # seconds between a live side's touches of its beat file
 POLL = 0.1  # seconds between looks at the spool while waiting
+ERROR_GRACE = 60.0  # seconds a side that failed has to be restarted (a Prefect retry) before the other fails too
 # A shard's bytes beyond its tokens: the safetensors header (per sample: its 64-hex id and length; per
 # tensor: name, dtype, shape, offsets) and alignment. Measured headers stay under half of this.
 HEADER_PER_SAMPLE, HEADER_FIXED = 128, 4096
@@ -213,6 +216,19 @@ def beating(path: Path) -> Iterator[None]:
         t.join()
 
 
+@contextlib.contextmanager
+def reporting(path: Path) -> Iterator[None]:
+    """A failure of the block is written to `path` (the other side, waiting on this one, fails on it once no new
+    run of this side has cleared it for ERROR_GRACE seconds); a start clears an earlier run's."""
+    path.unlink(missing_ok=True)
+    try:
+        yield
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            atomic_write_text(path, f"{type(e).__name__}: {e}"[:4000])
+        raise
+
+
 def silent_for(path: Path, since: float) -> float:
     """Seconds since `path` was last touched (or since `since`, when it never was)."""
     try:
@@ -228,7 +244,12 @@ class Waiter:
         self.beat, self.wait_s, self.what, self.since = root / other, wait_s, what, time.time()
 
     def __call__(self, ready: Callable[[], Any]) -> Any:
+        error = self.beat.with_suffix(".error")
         while not (got := ready()):
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - error.stat().st_mtime > min(self.wait_s, ERROR_GRACE):
+                    raise RuntimeError(f"{self.beat.parent}: waited for {self.what}, but the {self.beat.stem} failed "
+                                       f"({error.name}): {error.read_text()}")
             quiet = silent_for(self.beat, self.since)
             if quiet > self.wait_s:
                 raise RuntimeError(f"{self.beat.parent}: waited for {self.what}, but the {self.beat.stem} has shown no "

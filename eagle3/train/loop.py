@@ -225,7 +225,9 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         torch.set_num_threads(cfg.threads)
     if cfg.fsdp and world.device.type != "cuda":
         raise ValueError("--fsdp needs CUDA; on CPU the trainer uses DDP")
-    with spool.beating(hidden_dir / spool.TRAINER_BEAT) if online and world.main else nullcontext():
+    side = online and world.main  # rank 0 shows the producer that the trainer lives, or how it failed
+    with (spool.reporting(hidden_dir / spool.TRAINER_ERROR) if side else nullcontext(),
+          spool.beating(hidden_dir / spool.TRAINER_BEAT) if side else nullcontext()):
         hidden = spool.wait_source(hidden_dir, wait_s) if online else HiddenStates.read(hidden_dir)
         ver = VerifierWeights.read(verifier_dir)
         rs = load_replay(cfg, replay, hidden, hidden_dir, world)
