@@ -89,6 +89,8 @@ class Producer:
         self.first_row = first  # split -> its first row in `samples`
         self.tokens_done = self.produced = self.reproduced = self.evicted = self.peak = 0
         self.made: set[str] = set()  # windows this run wrote (a second time means the trainer went back)
+        self.progress: Progress | None = None
+        self.total = 0  # tokens of every window, once each (a window written again counts again in tokens_done)
 
     @classmethod
     def open(cls, root: Path, model: Path, prepared: Path, cfg: ExtractConfig, order: Order, spool_bytes: int,
@@ -124,7 +126,7 @@ class Producer:
     # ---- the loop
     def loop(self, progress: Progress | None) -> None:
         """Until the trainer is done: drop the windows behind it, make the next one it lacks when it fits."""
-        total = sum(w.tokens for w in self.plan.windows())
+        self.progress, self.total = progress, sum(w.tokens for w in self.plan.windows())
         while True:
             pos = self.spool.position()
             if pos.get("done"):
@@ -137,8 +139,6 @@ class Producer:
                 self.wait(lambda was=pos: self.spool.position() != was)
                 continue
             self.write(w)
-            if progress is not None:
-                progress(self.tokens_done, total, self.spool.bytes_on_disk())
 
     def next_window(self, position: int) -> Window | None:
         """The val window, then the first train window from `position` on that is not committed."""
@@ -188,8 +188,10 @@ class Producer:
         todo = dict(zip(sp.sample_ids, sp.rows, strict=True))  # sample id -> its row: the same content twice is
         batch = [(sid, self.samples.tensors(row)[0]) for sid, row in todo.items()]  # computed once
 
-        def counted(k: int) -> None:
+        def counted(k: int) -> None:  # after each batch
             self.tokens_done += k
+            if self.progress is not None:
+                self.progress(self.tokens_done, self.total, self.spool.bytes_on_disk())
 
         with contextlib.closing(self.backend.extract(batch, on_tokens=counted)) as results:
             for sid, tok, h in results:

@@ -32,6 +32,7 @@ import bisect
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,6 +53,7 @@ PRODUCER_BEAT, TRAINER_BEAT = "producer.beat", "trainer.beat"
 PRODUCER_ERROR, TRAINER_ERROR = "producer.error", "trainer.error"
 BEAT_EVERY = 2.0  # seconds between a live side's touches of its beat file
 POLL = 0.1  # seconds between looks at the spool while waiting
+SAY_EVERY = 30.0  # seconds between the log lines of a side that waits
 ERROR_GRACE = 60.0  # seconds a side that failed has to be restarted (a Prefect retry) before the other fails too
 # A shard's bytes beyond its tokens: the safetensors header (per sample: its 64-hex id and length; per
 # tensor: name, dtype, shape, offsets) and alignment. Measured headers stay under half of this.
@@ -245,7 +247,12 @@ class Waiter:
 
     def __call__(self, ready: Callable[[], Any]) -> Any:
         error = self.beat.with_suffix(".error")
+        t0 = told = time.time()
         while not (got := ready()):
+            if time.time() - told >= SAY_EVERY:  # a wait is never silent: the log shows who waits on whom
+                told = time.time()
+                print(f"{self.beat.parent}: waiting for {self.what} ({told - t0:.0f} s; the {self.beat.stem} was "
+                      f"last seen {silent_for(self.beat, self.since):.0f} s ago)", file=sys.stderr, flush=True)
             with contextlib.suppress(FileNotFoundError):
                 if time.time() - error.stat().st_mtime > min(self.wait_s, ERROR_GRACE):
                     raise RuntimeError(f"{self.beat.parent}: waited for {self.what}, but the {self.beat.stem} failed "
