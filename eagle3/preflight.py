@@ -3,7 +3,7 @@
 Estimates (bytes unless said otherwise):
 - prepare: tokens x 5 (int32 ids + int8 mask; Parquet compresses this further);
 - extract: tokens x bytes_per_token(3 aux + final, H, storage) -- the dominant term (offline: the store);
-  online (`mode: online`): the spool's cap, `spool_bytes`, which must hold the validation split plus one train shard;
+  online (`mode: online`): the spool's cap, `spool_bytes`, which must hold the validation shard plus two steps;
 - verifier: (2 V + Vd) x H x weight bytes;
 - train: draft params P x (4 weights + 8 AdamW) per checkpoint, times (keep_last + best + one
   being written), plus the fp32 export; CPU peak memory ~ k x pack x Vd x 4 x 3 (logits, their
@@ -236,7 +236,8 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     pl.rows += [{"stage": k, "what": "wall time (estimate)", "bytes": 0, "human": hms(v)}
                 for k, v in pl.seconds.items()]
     if cfg.mode == "online" and {"extract", "train"} <= pl.seconds.keys():
-        pl.pair_s = online_pair_seconds(cfg, pl.seconds, offline_store_bytes(cfg, t, tokens), epochs)
+        pl.pair_s = online_pair_seconds(cfg, pl.seconds, offline_store_bytes(cfg, t, tokens),
+                                        spool_val_bytes(cfg, t, tokens), epochs)
         pl.rows.append({"stage": "extract + train", "what": f"wall time together (online, {epochs} epoch(s) "
                         "of extraction beside the trainer)", "bytes": 0, "human": hms(pl.pair_s)})
     total = pl.total_seconds()
@@ -265,13 +266,21 @@ def offline_store_bytes(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> floa
     return tokens * bytes_per_token(3, t.hidden_size, cfg.extract.storage)
 
 
-def spool_floor(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> float:
-    """The smallest spool online mode can run in: the validation split (kept for the run; its tokens capped at
-    train.val_max_packs rows when set) plus one train shard."""
+def spool_val_bytes(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> float:
+    """The validation shard a spool keeps for the whole run: the val split, capped at train.val_max_packs packs."""
     val = tokens * val_share(cfg)
     if cfg.train.val_max_packs:
         val = min(val, cfg.train.val_max_packs * cfg.train.pack_tokens)
-    return offline_store_bytes(cfg, t, int(val)) + cfg.extract.shard_bytes
+    return offline_store_bytes(cfg, t, int(val))
+
+
+def spool_floor(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> float:
+    """The smallest spool in which the producer can write one optimizer step's samples while the trainer reads
+    the step before: the validation shard plus two steps. A step reads nproc x grad_accum packs, each of at
+    most max(pack_tokens, max_len) stored tokens (samples are stored whole; the trainer cuts them)."""
+    tc = cfg.train
+    step = tc.nproc_per_node * tc.grad_accum * max(tc.pack_tokens, cfg.prepare.max_len)
+    return spool_val_bytes(cfg, t, tokens) + 2 * offline_store_bytes(cfg, t, step)
 
 
 def stage_disk(cfg: PipelineConfig, t: TargetPlan, tokens: int, vd: int, P: int) -> dict[str, float]:
@@ -294,8 +303,8 @@ def stage_disk(cfg: PipelineConfig, t: TargetPlan, tokens: int, vd: int, P: int)
 def disk_plan(pl: Plan, cfg: PipelineConfig, t: TargetPlan, need: dict[str, float], free: int) -> list[str]:
     """Add the disk rows of the mode in use (online: extract needs the spool's cap, not the store), the offline
     store beside the spool, the total against `free`; return the disk problems."""
-    # the spool online needs: the cap, or the floor rounded up to whole GiB where the cap is below it
-    spool = max(cfg.spool_bytes, -(-spool_floor(cfg, t, pl.tokens) // GIB) * GIB)
+    # the spool online needs: the cap, or the floor rounded up to whole MiB where the cap is below it
+    spool = max(cfg.spool_bytes, -(-spool_floor(cfg, t, pl.tokens) // (1 << 20)) * (1 << 20))
     online = {**need, "extract": cfg.spool_bytes} if "extract" in need else need
     used = online if cfg.mode == "online" else need
     for stage, b in used.items():
@@ -309,9 +318,9 @@ def disk_plan(pl: Plan, cfg: PipelineConfig, t: TargetPlan, need: dict[str, floa
                     "human": f"{human(total)} / {human(free)}"})
     problems = [] if total <= free else [disk_problem(cfg, t, total, free, spool, need)]
     if cfg.mode == "online" and "extract" in need and cfg.spool_bytes < spool:
-        problems.append(f"spool: spool_bytes = {human(cfg.spool_bytes)} cannot hold the validation split plus one "
-                        f"train shard ({human(spool)}); raise spool_bytes, or lower train.val_max_packs or "
-                        f"extract.shard_bytes")
+        problems.append(f"spool: spool_bytes = {human(cfg.spool_bytes)} cannot hold the validation shard plus two "
+                        f"optimizer steps' samples ({human(spool)}); raise spool_bytes, or lower train.val_max_packs, "
+                        f"train.pack_tokens or train.grad_accum")
     return problems
 
 
@@ -346,13 +355,15 @@ def epochs_read(cfg: PipelineConfig, tokens: int) -> int:
     return -(-tc.max_steps // per_epoch)
 
 
-def online_pair_seconds(cfg: PipelineConfig, seconds: dict[str, float], store: float, epochs: int) -> float:
+def online_pair_seconds(cfg: PipelineConfig, seconds: dict[str, float], store: float, val: float,
+                        epochs: int) -> float:
     """Wall time of online extract and train run together, from each side's own time. Two stages over n shards
     take n x max(a, b) + min(a, b), a and b one shard's time on each side: a slower trainer starts once the first
     shard is produced, and behind a slower producer the last shard is trained after it ends. Assumes the two do
     not slow each other down (each on its own devices)."""
     ex, tr = seconds["extract"], seconds["train"]
-    share = min(1.0, min(cfg.extract.shard_bytes, cfg.spool_bytes) / max(store, 1.0))  # one shard of one epoch
+    window = max(cfg.spool_bytes - val, 0) / 2  # the spool cuts windows at half of what its val shard (`val`) leaves
+    share = min(1.0, window / max(store, 1.0))  # one window of one epoch
     return max(ex, tr) + min(ex / epochs, tr / cfg.train.epochs) * share
 
 
