@@ -3,6 +3,7 @@ offline head bitwise (hf producer, fp32), the spool never holds more than its ca
 resume to the same bytes, and the real vLLM engine produces what the trainer reads."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ AUX = [1, 3, 4]
 # its tokens, whichever other samples a store shard or a spool window holds (larger batches agree to ~2e-8).
 EXTRACT = ["--aux-layer-ids", "1,3,4", "--storage", "fp32", "--batch-tokens", "64"]
 TRAIN = {"ttt_steps": 2, "pack_tokens": 192, "log_every": 1, "val_every": 1000, "ckpt_every": 4, "warmup_steps": 1,
-         "threads": 1, "lr": 1e-3, "epochs": 2}
+         "threads": 1, "lr": 1e-3, "epochs": 2, "nproc_per_node": 2}  # DDP: two ranks read each window
 SPOOL = 1_500_000  # the val shard and two or three train windows; the full store is 2.28 MB
 
 
@@ -81,8 +82,15 @@ def wait(p: subprocess.Popen, timeout: float = 600) -> None:
 
 
 def kill(p: subprocess.Popen) -> None:
-    os.killpg(p.pid, signal.SIGKILL)
+    """SIGKILL the command and every process under it (torchrun starts its ranks in sessions of their own)."""
+    import psutil
+
+    procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    for q in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            q.send_signal(signal.SIGKILL)
     p.wait()
+    psutil.wait_procs(procs, timeout=30)
 
 
 def weights(out: Path) -> bytes:
@@ -208,7 +216,12 @@ def test_kills_of_producer_and_trainer_resume_to_the_same_bytes(stages, tiny_lla
         nonlocal plan
         plan = plan or _plan(spool)
         done = sorted((out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
-        return bool(done) and s.position()["window"] > plan.window_of(int(done[-1].name[5:]))
+        if not done:
+            return False
+        back = plan.train[plan.window_of(int(done[-1].name[5:]))]  # the window a resume starts in
+        # ... which the trainer left and the producer deleted
+        pos = s.position()
+        return not pos["done"] and pos["window"] > back.index and not (spool / back.record).exists()
 
     _until(past_checkpoint, [prod, tr])
     kill(tr)
@@ -224,7 +237,8 @@ def _plan(spool: Path) -> sp.Plan:
     """The trainer's plan of this spool, once the producer wrote source.json."""
     from eagle3.storage.store import bytes_per_token
 
-    return sp.plan(SpoolSource.read(spool), TrainConfig(**TRAIN).read_order(1), SPOOL, bytes_per_token(3, 64, "fp32"))
+    order = TrainConfig(**TRAIN).read_order(TRAIN["nproc_per_node"])
+    return sp.plan(SpoolSource.read(spool), order, SPOOL, bytes_per_token(3, 64, "fp32"))
 
 
 def test_a_trainer_of_another_read_order_is_refused_by_name(stages, tiny_llama_dir):

@@ -88,7 +88,7 @@ class Producer:
             first.setdefault(split, row)
         self.first_row = first  # split -> its first row in `samples`
         self.tokens_done = self.produced = self.reproduced = self.evicted = self.peak = 0
-        self.made: set[str] = set()  # windows this run wrote (a second time means the trainer went back)
+        self.furthest = 0  # the furthest position of the trainer seen: a window before it is written again
         self.progress: Progress | None = None
         self.total = 0  # tokens of every window, once each (a window written again counts again in tokens_done)
 
@@ -131,6 +131,7 @@ class Producer:
             pos = self.spool.position()
             if pos.get("done"):
                 return
+            self.furthest = max(self.furthest, pos["window"])
             self.trim(pos["window"])
             w = self.next_window(pos["window"])
             # None: every window it still needs is on disk; no room: the spool is full. Either way, wait for
@@ -177,8 +178,7 @@ class Producer:
         self.spool.commit(self.plan, w, sha)
         self.peak = max(self.peak, self.spool.bytes_on_disk())
         self.produced += 1
-        self.reproduced += w.name in self.made
-        self.made.add(w.name)
+        self.reproduced += w.split == "train" and w.index < self.furthest
 
     def compute(self, sp: ShardPlan, writer: ShardWriter) -> None:
         """Run the backend (built here on first use) over the distinct samples of `sp` into `writer`."""

@@ -232,11 +232,12 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         ver = VerifierWeights.read(verifier_dir)
         rs = load_replay(cfg, replay, hidden, hidden_dir, world)
         fp = inputs(hidden_dir, verifier_dir, cfg, rs, online)
-        if world.main and (done := finished(out, fp)) is not None:
-            if online:
+        # every rank reads it: a rank that went on alone would wait forever for the others' collectives
+        if (done := finished(out, fp)) is not None:
+            if online and world.main:
                 spool.Spool(hidden_dir).set_position(0, done=True)  # a producer started with it may end
             dist.shutdown()
-            return done
+            return done if world.main else None
 
         run = Run(cfg, world, hidden, ver, hidden_dir, verifier_dir, out, rs, fp, wait_s if online else None)
         run.resume(restart_on_mismatch)
