@@ -294,8 +294,10 @@ def stage_disk(cfg: PipelineConfig, t: TargetPlan, tokens: int, vd: int, P: int)
 def disk_plan(pl: Plan, cfg: PipelineConfig, t: TargetPlan, need: dict[str, float], free: int) -> list[str]:
     """Add the disk rows of the mode in use (online: extract needs the spool's cap, not the store), the offline
     store beside the spool, the total against `free`; return the disk problems."""
-    # the spool online needs: the cap, or the floor rounded up to whole GiB where the cap is below it
-    spool = max(cfg.spool_bytes, -(-spool_floor(cfg, t, pl.tokens) // GIB) * GIB)
+    # the spool online needs: the cap, or the floor rounded up to whole GiB where the cap is below it (the
+    # figure a problem recommends; a cap below 1 GiB that holds the floor itself is enough)
+    floor = spool_floor(cfg, t, pl.tokens)
+    spool = max(cfg.spool_bytes, -(-floor // GIB) * GIB)
     online = {**need, "extract": cfg.spool_bytes} if "extract" in need else need
     used = online if cfg.mode == "online" else need
     for stage, b in used.items():
@@ -308,7 +310,7 @@ def disk_plan(pl: Plan, cfg: PipelineConfig, t: TargetPlan, need: dict[str, floa
     pl.rows.append({"stage": "all", "what": f"disk (x{HEADROOM} headroom) / free", "bytes": total,
                     "human": f"{human(total)} / {human(free)}"})
     problems = [] if total <= free else [disk_problem(cfg, t, total, free, spool, need)]
-    if cfg.mode == "online" and "extract" in need and cfg.spool_bytes < spool:
+    if cfg.mode == "online" and "extract" in need and cfg.spool_bytes < floor:
         problems.append(f"spool: spool_bytes = {human(cfg.spool_bytes)} cannot hold the validation split plus one "
                         f"train shard ({human(spool)}); raise spool_bytes, or lower train.val_max_packs or "
                         f"extract.shard_bytes")
