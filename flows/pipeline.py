@@ -77,7 +77,7 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
     prepared = run_stage("prepare", dirs["prepare"], model=model, cfg=prep_cfg, trust_remote_code=trc)
     if config.mode == "online":  # the producer fills the extract dir, a bounded spool, while the trainer reads it
         verifier = run_stage("verifier", dirs["verifier"], model=model, prepared=dirs["prepare"], wait_for=[prepared])
-        hidden, trained = online(config, dirs)
+        hidden, trained = online(config, dirs, reuse)
     else:
         hidden = run_stage("extract", dirs["extract"], model=model, prepared=dirs["prepare"], cfg=config.extract,
                            reuse=reuse, trust_remote_code=trc, wait_for=[prepared])
@@ -94,8 +94,12 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
     return {**dirs, "final": final}, report
 
 
-def online(config: PipelineConfig, dirs: dict[str, str]) -> tuple[SpooledStates, TrainedDraft]:
+def online(config: PipelineConfig, dirs: dict[str, str],
+           reuse: list[str] | None) -> tuple[SpooledStates, TrainedDraft]:
     """Extract and train in one step: the producer and the trainer as two tasks side by side (flows/stages.py)."""
+    if reuse:
+        get_run_logger().info("online: the earlier extract dirs are not read (the producer computes every window "
+                              "the trainer reads): %s", ", ".join(reuse))
     model = str(config.model)
     return run_online(dirs["extract"], dirs["train"], model=model, prepared=dirs["prepare"], extract=config.extract,
                       train=config.train, spool_bytes=config.spool_bytes, wait_s=config.spool_wait_s,

@@ -64,7 +64,6 @@ STAGES = {name: _stage(name) for name in LIBRARY}  # every registered stage, in 
 GPU_STAGES = tuple(name for name, s in LIBRARY.items() if s.gpu)
 ONLINE = {"produce": Stage(produce_task, SpooledStates, publish_spool, spool_headline)}  # runs beside train
 TABLE = {**STAGES, **ONLINE}  # what a hop or a stage flow may run
-HOPS = (*GPU_STAGES, *ONLINE)  # what hops to the gpu pool
 
 
 def fresh(task, manifest_cls, out):
@@ -189,7 +188,9 @@ def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract
         jobs = {"env": {"PREFECT_TASKS_REFRESH_CACHE": "true"}} if rerun else None  # the stage flows' tasks too
         futures = {n: hop_task(n).submit(n, f"eagle3-{n}/{n}-{suffix}", as_params(args), jobs)
                    for n, args in inputs.items()}
-        mem = ""
+        for f in futures.values():
+            f.wait()
+        mem = ""  # each side ran in its deployment's process
     else:
         log.info("produce + train (online): started side by side; spool %s (cap %s bytes), output %s", spool,
                  f"{spool_bytes:,}", train_out)
@@ -200,8 +201,6 @@ def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract
             for f in futures.values():
                 f.wait()
         mem = f", {peak.line()}"
-    for f in futures.values():
-        f.wait()  # hops: both flow runs ended
     failed = [(n, f.state) for n, f in futures.items() if not f.state.is_completed()]
     if failed:  # the side that failed first is the cause; the other one's PartnerGone follows from it
         n, state = next(((n, s) for n, s in failed if "PartnerGone" not in (s.message or "")), failed[0])

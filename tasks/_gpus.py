@@ -48,8 +48,9 @@ def split_devices(*counts: int) -> list[list[str]] | None:
 
 @contextlib.contextmanager
 def cuda_devices(devices: list[str] | None) -> Iterator[None]:
-    """CUDA_VISIBLE_DEVICES set to `devices` while the block runs (an engine started in it sees only those);
-    nothing changes for None."""
+    """CUDA_VISIBLE_DEVICES set to `devices` while the block runs (an engine whose processes start in it sees only
+    those); nothing changes for None. A torch that initialized CUDA in this process before keeps the devices it
+    saw then: its cuda:0 is still the first of them, which `split_devices` gives the producer."""
     if devices is None:
         yield
         return

@@ -178,5 +178,6 @@ def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train:
                 raise PartnerGone(f"produce: the trainer of {out} has shown no sign of life for {wait_s:.0f} s; "
                                   f"{e}") from e
             raise
+    update_progress_artifact(pace.art, 100.0)  # the trainer read every window (a retry counts its own tokens)
     log.info("produce: %s", spool_headline(m))
     return m

@@ -219,7 +219,8 @@ def test_online_retries_resume_to_the_same_bytes_and_a_rerun_is_cached(service, 
     """In the cpu worker's flow run (no hop): the producer fails once midway (EAGLE3_FAIL_ONCE) and the trainer
     is SIGKILLed at its 7th step (EAGLE3_KILL_AT, after the step-4 checkpoint); each is retried by Prefect
     (run count 2) and resumes, and the draft is still the offline one byte for byte. The same parameters again:
-    both served from the cache. A `gpus` limit smaller than the pair's slots is refused, not waited on."""
+    both served from the cache; another learning rate: both run again. A `gpus` limit smaller than the pair's
+    slots is refused, not waited on."""
     root, ref, store = reference
     cfg = config(root, tiny_llama_dir, "online").model_copy(update={"run_dir": str(root / "online-retried")})
     params = {"config": cfg.model_dump(mode="json")}
@@ -250,6 +251,25 @@ def test_online_retries_resume_to_the_same_bytes_and_a_rerun_is_cached(service, 
         ("prepare", "verifier", "produce", "train", "eval"), "Cached")
     cached = time.time() - t1
 
+    # Another learning rate: the producer's inputs (its read order) are unchanged and its task would be served
+    # from the cache, leaving the new trainer without shards; the pair is not done, so both run again.
+    from tasks._online import pair_done, producer_inputs
+
+    spool, out, ver = (str(cfg.stage_dir(s)) for s in ("extract", "train", "verifier"))
+    fp = producer_inputs(cfg.model, str(cfg.stage_dir("prepare")), cfg.extract, cfg.train, cfg.spool_bytes)
+    assert pair_done(spool, out, fp, ver, cfg.train)
+    lr = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": 2e-3})})
+    assert not pair_done(spool, out, fp, ver, lr.train)
+    t2 = time.time()
+    other = trigger(client, "eagle3-pipeline/eagle3-pipeline", {"config": lr.model_dump(mode="json")},
+                    {"env": LOCAL})
+    assert other.state.is_completed(), logs(client, other)[-4000:]
+    assert {n: t.state.name for n, t in task_runs(client, other).items()} == {
+        "prepare": "Cached", "verifier": "Cached", "produce": "Completed", "train": "Completed",
+        "eval": "Completed"}
+    assert weights(lr) != ref
+    relearned = time.time() - t2
+
     # the pair needs 1 + 1 slots here; against a limit of 1 each would wait for the other forever
     from tasks._gpus import hold_gpus
 
@@ -260,4 +280,4 @@ def test_online_retries_resume_to_the_same_bytes_and_a_rerun_is_cached(service, 
             pass
     finally:
         service.setup(8)
-    print(f"\nonline run with both retries {took:.1f} s; cached rerun {cached:.1f} s")
+    print(f"\nonline run with both retries {took:.1f} s; cached rerun {cached:.1f} s; another lr {relearned:.1f} s")
