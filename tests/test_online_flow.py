@@ -71,6 +71,36 @@ def test_producer_logs_its_pace_while_it_waits(monkeypatch):
     assert shown == [100.0]
 
 
+def test_a_side_whose_partner_is_gone_is_not_retried(tmp_path):
+    """A side that failed while its partner's beat file was silent for wait_s fails as PartnerGone, which neither
+    task retries (the partner's own retries start within seconds: one silent that long has ended for good)."""
+    from tasks._online import PartnerGone, partner_gone, retry_unless_gone
+    from tasks.train import UserInputError, _retry
+
+    beat = tmp_path / "trainer.beat"
+    now = time.time()
+    assert not partner_gone(tmp_path, beat.name, 60, since=now)  # never touched, but this attempt just began
+    assert partner_gone(tmp_path, beat.name, 60, since=now - 61)
+    beat.touch()
+    os.utime(beat, (now - 100, now - 100))
+    assert partner_gone(tmp_path, beat.name, 60, since=now - 1000)
+    beat.touch()
+    assert not partner_gone(tmp_path, beat.name, 60, since=now - 1000)
+
+    class Failed:
+        def __init__(self, e):
+            self.e = e
+
+        def result(self):
+            raise self.e
+
+    assert retry_unless_gone(None, None, Failed(RuntimeError("engine died")))
+    assert not retry_unless_gone(None, None, Failed(PartnerGone("the trainer is gone")))
+    assert _retry(None, None, Failed(RuntimeError("exited with status 1")))
+    assert not _retry(None, None, Failed(PartnerGone("the producer is gone")))
+    assert not _retry(None, None, Failed(UserInputError("refused")))
+
+
 # ---------------------------------------------------------------- a real server
 @pytest.fixture(scope="module")
 def service(request, tmp_path_factory):
