@@ -1,4 +1,5 @@
-"""The eagle3 pipeline as a Prefect flow: (regenerate ->) prepare -> extract -> verifier -> train -> eval."""
+"""The eagle3 pipeline as a Prefect flow: (regenerate ->) prepare -> extract -> verifier -> train -> eval; online
+(`mode: online`), extract and train run side by side: prepare -> verifier -> produce + train -> eval."""
 from __future__ import annotations
 
 import time
@@ -12,10 +13,10 @@ from pydantic import Field
 
 from eagle3.config import PipelineConfig, PrepareConfig
 from eagle3.storage.lock import RunLock
-from eagle3.storage.manifests import EvalReport, RegeneratedData
-from flows.stages import run_stage
+from eagle3.storage.manifests import EvalReport, RegeneratedData, SpooledStates, TrainedDraft
+from flows.stages import run_online, run_stage
 from tasks.eval import results_table
-from tasks.extract import stats_table
+from tasks.extract import spool_table, stats_table
 from tasks.prepare import counts_table
 from tasks.train import metrics_table
 
@@ -74,19 +75,35 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
     if config.regenerate is not None:  # optional stage 0: prepare reads the target's own answers instead
         _, prep_cfg = regenerate(config)
     prepared = run_stage("prepare", dirs["prepare"], model=model, cfg=prep_cfg, trust_remote_code=trc)
-    hidden = run_stage("extract", dirs["extract"], model=model, prepared=dirs["prepare"], cfg=config.extract,
-                       reuse=reuse, trust_remote_code=trc, wait_for=[prepared])
-    verifier = run_stage("verifier", dirs["verifier"], model=model, prepared=dirs["prepare"], wait_for=[prepared])
-    # model + prepared: the train stage first answers held-out prompts with the target (its replay set)
-    trained = run_stage("train", dirs["train"], hidden=dirs["extract"], verifier=dirs["verifier"], cfg=config.train,
-                        verifier_name=model, model=model, prepared=dirs["prepare"], trust_remote_code=trc,
-                        wait_for=[hidden, verifier])
+    if config.mode == "online":  # the producer fills the extract dir, a bounded spool, while the trainer reads it
+        verifier = run_stage("verifier", dirs["verifier"], model=model, prepared=dirs["prepare"], wait_for=[prepared])
+        hidden, trained = online(config, dirs, reuse)
+    else:
+        hidden = run_stage("extract", dirs["extract"], model=model, prepared=dirs["prepare"], cfg=config.extract,
+                           reuse=reuse, trust_remote_code=trc, wait_for=[prepared])
+        verifier = run_stage("verifier", dirs["verifier"], model=model, prepared=dirs["prepare"], wait_for=[prepared])
+        # model + prepared: the train stage first answers held-out prompts with the target (its replay set)
+        trained = run_stage("train", dirs["train"], hidden=dirs["extract"], verifier=dirs["verifier"],
+                            cfg=config.train, verifier_name=model, model=model, prepared=dirs["prepare"],
+                            trust_remote_code=trc, wait_for=[hidden, verifier])
     final = f"{dirs['train']}/{trained.final_dir}"
     report = run_stage("eval", dirs["eval"], model=model, draft=final, cfg=config.eval, trust_remote_code=trc)
 
     # Per-run summary lives in the flow: a cached task does not re-create its artifacts.
     summarize(config, dirs, prepared, hidden, verifier, trained, report)
     return {**dirs, "final": final}, report
+
+
+def online(config: PipelineConfig, dirs: dict[str, str],
+           reuse: list[str] | None) -> tuple[SpooledStates, TrainedDraft]:
+    """Extract and train in one step: the producer and the trainer as two tasks side by side (flows/stages.py)."""
+    if reuse:
+        get_run_logger().info("online: the earlier extract dirs are not read (the producer computes every window "
+                              "the trainer reads): %s", ", ".join(reuse))
+    model = str(config.model)
+    return run_online(dirs["extract"], dirs["train"], model=model, prepared=dirs["prepare"], extract=config.extract,
+                      train=config.train, spool_bytes=config.spool_bytes, wait_s=config.spool_wait_s,
+                      verifier=dirs["verifier"], verifier_name=model, trust_remote_code=config.trust_remote_code)
 
 
 def regenerate(config: PipelineConfig) -> tuple[RegeneratedData, PrepareConfig]:
@@ -111,10 +128,11 @@ def preflight(config: PipelineConfig, max_hours: float = 0.0) -> None:
 
 def summarize(config, dirs, prepared, hidden, verifier, trained, report) -> None:
     """The run's artifacts: a table of every stage dir, the draft and the report; the figures in markdown."""
+    spooled = isinstance(hidden, SpooledStates)  # online: the extract dir was the producer's spool
     rows = [
-        {"stage": s, "dir": dirs[s], "fingerprint": m.fingerprint[:16]}
-        for s, m in (("prepare", prepared), ("extract", hidden), ("verifier", verifier), ("train", trained),
-                     ("eval", report))
+        {"stage": name, "dir": dirs[s], "fingerprint": m.fingerprint[:16]}
+        for s, name, m in (("prepare", "prepare", prepared), ("extract", "produce" if spooled else "extract", hidden),
+                           ("verifier", "verifier", verifier), ("train", "train", trained), ("eval", "eval", report))
     ]
     rows += [{"stage": "draft", "dir": f"{dirs['train']}/{trained.final_dir}",
               "fingerprint": trained.weights_sha256[:16]},
@@ -125,7 +143,8 @@ def summarize(config, dirs, prepared, hidden, verifier, trained, report) -> None
           f"**tau = {report.acceptance_length:.3f}** at k={report.k} on {report.num_prompts} prompts; "
           f"speedup {report.speedup_vs_target or 0:.2f}x over greedy; lossless: {report.lossless}.", "",
           f"Draft: `{dirs['train']}/{trained.final_dir}`; report: `{dirs['eval']}/report.json`.", ""]
-    for title, table in (("prepare", counts_table(prepared)), ("extract", stats_table(hidden)),
+    for title, table in (("prepare", counts_table(prepared)),
+                         ("produce", spool_table(hidden)) if spooled else ("extract", stats_table(hidden)),
                          ("train", metrics_table(trained)), ("eval", results_table(report))):
         md += [f"## {title}", "", "| what | value |", "|---|---|"]
         md += [f"| {r['what']} | {r['value']} |" for r in table] + [""]

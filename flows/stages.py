@@ -10,6 +10,11 @@ A hop is a task of the calling flow, named after the stage, that starts the stag
 waits for it. The hop carries the stage's retry policy: a failed attempt is retried by a new
 flow run, which resumes from what the last one committed (this also covers a worker that died
 mid-stage), and the stage's run count shows on the caller's own task run.
+
+Online (`run_online`), extraction and training are one step: the producer (`produce`, not a
+registered stage: it has no store of its own) and the trainer run as two tasks submitted side by
+side, each hopping to its own deployment (`eagle3-produce/produce-<suffix>`, `eagle3-train/...`)
+when the GPU stages hop, and the step ends when both have.
 """
 from __future__ import annotations
 
@@ -33,9 +38,13 @@ from eagle3.storage.manifests import (
     HiddenStates,
     PreparedData,
     RegeneratedData,
+    SpooledStates,
     TrainedDraft,
     VerifierWeights,
 )
+from tasks._gpus import split_devices
+from tasks._online import OnlineSource, PartnerGone, pair_done, producer_inputs, reset_spool
+from tasks.extract import produce_task, publish_spool, spool_headline
 from tasks.train import UserInputError
 
 
@@ -53,6 +62,8 @@ def _stage(name: str) -> Stage:
 
 STAGES = {name: _stage(name) for name in LIBRARY}  # every registered stage, in pipeline order
 GPU_STAGES = tuple(name for name, s in LIBRARY.items() if s.gpu)
+ONLINE = {"produce": Stage(produce_task, SpooledStates, publish_spool, spool_headline)}  # runs beside train
+TABLE = {**STAGES, **ONLINE}  # what a hop or a stage flow may run
 
 
 def fresh(task, manifest_cls, out):
@@ -68,9 +79,7 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
     if suffix and name in GPU_STAGES:
         deployment = f"eagle3-{name}/{name}-{suffix}"
         log.info("%s: started on deployment %s, output %s", name, deployment, out)
-        # Deployment parameters are JSON: configs go as dicts, the stage flow validates them again.
-        params = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}
-        hop_task(name)(name, deployment, {**params, "out": out}, wait_for=wait_for)
+        hop_task(name)(name, deployment, as_params({**inputs, "out": out}), wait_for=wait_for)
         m, how = stage.manifest.read(out), "done"  # the stage dir is on storage both pools share
         mem = ""  # the stage ran in the deployment's process
     else:
@@ -84,27 +93,37 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
     return m
 
 
+def as_params(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Deployment parameters are JSON: configs go as dicts, the stage flow validates them again."""
+    return {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}
+
+
 def hop_task(name: str):
     """The hop for stage `name`, with the stage task's own retry policy."""
-    t = STAGES[name].task
+    t = TABLE[name].task
     return hop.with_options(name=name, retries=t.retries, retry_delay_seconds=t.retry_delay_seconds,
                             retry_condition_fn=t.retry_condition_fn)
 
 
 @task(task_run_name="{name}", cache_policy=NO_CACHE)
-def hop(name: str, deployment: str, params: dict) -> None:
-    """Run one stage as a flow run of its deployment, its log copied here; raise if it did not complete."""
+def hop(name: str, deployment: str, params: dict, job_variables: dict | None = None) -> None:
+    """Run one stage as a flow run of its deployment (with these job variables), its log copied here; raise if
+    it did not complete."""
     log = get_run_logger()
     attempt = TaskRunContext.get().task_run.run_count
     parent = FlowRunContext.get().flow_run
     run_name = f"{name} · {parent.name}" + (f" (try {attempt})" if attempt > 1 else "")
-    run = run_deployment(deployment, parameters=params, flow_run_name=run_name, timeout=0)
+    run = run_deployment(deployment, parameters=params, flow_run_name=run_name, timeout=0,
+                         job_variables=job_variables)
     log.info("%s: flow run %r of %s", name, run_name, deployment)
     run = follow(run.id, name, log)
     if not run.state.is_completed():
         msg = f"stage {name}: flow run {run_name!r} of {deployment} ended {run.state.name}: {run.state.message}"
-        # training refused its input: a new flow run would be refused too (tasks/train.py's retry condition)
-        raise (UserInputError if "UserInputError" in (run.state.message or "") else RuntimeError)(msg)
+        # a new flow run would fail the same way: training refused its input, or an online side's partner is
+        # gone for good (the retry conditions of tasks/train.py and tasks/_online.py)
+        why = run.state.message or ""
+        raise (UserInputError if "UserInputError" in why else PartnerGone if "PartnerGone" in why
+               else RuntimeError)(msg)
 
 
 def follow(run_id, name: str, log, poll: float = 2.0):
@@ -139,17 +158,73 @@ def follow(run_id, name: str, log, poll: float = 2.0):
     return run
 
 
+def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract: ExtractConfig, train: TrainConfig,
+               spool_bytes: int, wait_s: float, verifier: str, verifier_name: str = "",
+               trust_remote_code: bool = False) -> tuple[SpooledStates, TrainedDraft]:
+    """Online: the producer (into the spool `spool`) and the trainer (into `train_out`) as two tasks submitted
+    side by side, each on its deployment when the GPU stages hop; returns both manifests once both ended.
+
+    Neither ends without the other (the producer waits while the spool is full, the trainer for its next
+    window), so they run as a pair: when the pair is not done for these inputs (tasks/_online.py) the spool is
+    reset and both run, neither served from the cache. In this process they split the visible devices
+    (the producer's engine first, then the trainer's processes); hopped, each flow run splits them the same
+    way."""
+    log = get_run_logger()
+    suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
+    online = OnlineSource(extract=extract, spool_bytes=spool_bytes, wait_s=wait_s)
+    inputs = {"produce": dict(model=model, prepared=prepared, out=spool, cfg=extract, train=train,
+                              spool_bytes=spool_bytes, wait_s=wait_s, trust_remote_code=trust_remote_code),
+              "train": dict(hidden=spool, verifier=verifier, out=train_out, cfg=train, verifier_name=verifier_name,
+                            model=model, prepared=prepared, trust_remote_code=trust_remote_code, online=online)}
+    fp = producer_inputs(model, prepared, extract, train, spool_bytes, trust_remote_code)
+    rerun = not pair_done(spool, train_out, fp, verifier, train)
+    if rerun:
+        reset_spool(spool)
+    t0 = time.monotonic()
+    if suffix:
+        log.info("produce + train (online): started side by side on deployments eagle3-produce/produce-%s and "
+                 "eagle3-train/train-%s; spool %s (cap %s bytes), output %s", suffix, suffix, spool,
+                 f"{spool_bytes:,}", train_out)
+        jobs = {"env": {"PREFECT_TASKS_REFRESH_CACHE": "true"}} if rerun else None  # the stage flows' tasks too
+        futures = {n: hop_task(n).submit(n, f"eagle3-{n}/{n}-{suffix}", as_params(args), jobs)
+                   for n, args in inputs.items()}
+        for f in futures.values():
+            f.wait()
+        mem = ""  # each side ran in its deployment's process
+    else:
+        log.info("produce + train (online): started side by side; spool %s (cap %s bytes), output %s", spool,
+                 f"{spool_bytes:,}", train_out)
+        devices = split_devices(online.producer_slots, train.nproc_per_node) or [None, None]
+        with PeakRSS() as peak:  # the two share this process: one peak for both
+            futures = {n: (TABLE[n].task.with_options(refresh_cache=True) if rerun else TABLE[n].task).submit(
+                **args, devices=d) for (n, args), d in zip(inputs.items(), devices, strict=True)}
+            for f in futures.values():
+                f.wait()
+        mem = f", {peak.line()}"
+    failed = [(n, f.state) for n, f in futures.items() if not f.state.is_completed()]
+    if failed:  # the side that failed first is the cause; the other one's PartnerGone follows from it
+        n, state = next(((n, s) for n, s in failed if "PartnerGone" not in (s.message or "")), failed[0])
+        log.error("online: %s; raising %s's error", ", ".join(f"{m} ended {s.name}" for m, s in failed), n)
+        state.result()  # raises the task's own exception
+    ms = {"produce": SpooledStates.read(spool), "train": TrainedDraft.read(train_out)}
+    for n, m in ms.items():
+        how = "cached (inputs unchanged)" if futures[n].state.name == "Cached" else "done"
+        TABLE[n].publish(m, inputs[n]["out"])
+        log.info("%s: %s in %s%s: %s", n, how, hms(time.monotonic() - t0), mem, TABLE[n].headline(m))
+    return ms["produce"], ms["train"]
+
+
 def own(stage: str, out: str):
     """The stage's task for a stage flow: refreshed if its output is gone; without retries when a
     pipeline's hop started this flow run (the hop retries, with a new flow run, and shows the count)."""
-    task, manifest_cls = STAGES[stage].task, STAGES[stage].manifest
+    task, manifest_cls = TABLE[stage].task, TABLE[stage].manifest
     hopped = FlowRunContext.get().flow_run.parent_task_run_id is not None
     return fresh(task.with_options(retries=0) if hopped else task, manifest_cls, out)
 
 
 def _done(stage: str, m, out: str):
-    STAGES[stage].publish(m, out)
-    get_run_logger().info("%s: %s", stage, STAGES[stage].headline(m))
+    TABLE[stage].publish(m, out)
+    get_run_logger().info("%s: %s", stage, TABLE[stage].headline(m))
     return m
 
 
@@ -180,10 +255,24 @@ def verifier(model: str, prepared: str, out: str) -> VerifierWeights:
 
 @flow(name="eagle3-train")
 def train(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "", model: str = "",
-          prepared: str = "", trust_remote_code: bool = False) -> TrainedDraft:
-    """Stage 4 alone: train the draft under torchrun (a retry resumes from its last checkpoint)."""
+          prepared: str = "", trust_remote_code: bool = False, online: OnlineSource | None = None) -> TrainedDraft:
+    """Stage 4 alone: train the draft under torchrun (a retry resumes from its last checkpoint); `online`:
+    `hidden` is the spool an eagle3-produce run fills beside it."""
+    # beside a producer, the devices after the producer's; alone, every visible device
+    devices = (split_devices(online.producer_slots, cfg.nproc_per_node) or [None, None])[1] if online else None
     return _done("train", own("train", out)(hidden, verifier, out, cfg, verifier_name, model, prepared,
-                                            trust_remote_code), out)
+                                            trust_remote_code, online, devices), out)
+
+
+@flow(name="eagle3-produce")
+def produce(model: str, prepared: str, out: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
+            wait_s: float = 900.0, trust_remote_code: bool = False) -> SpooledStates:
+    """Online, beside an eagle3-train run reading the spool `out`: fill it with the target's hidden states in
+    the read order of `train`, as the trainer reads them (the spool never holds more than spool_bytes)."""
+    devices = (split_devices(cfg.tensor_parallel_size * cfg.pipeline_parallel_size, train.nproc_per_node)
+               or [None, None])[0]
+    return _done("produce", own("produce", out)(model, prepared, out, cfg, train, spool_bytes, wait_s,
+                                                trust_remote_code, devices), out)
 
 
 @flow(name="eagle3-eval")

@@ -47,8 +47,10 @@ def stage_key(stage: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return key
 
 
-def stage_task(stage: str, retries: int, delay: int, **kw: Any):
-    """The @task of a registered stage: named after it (also in the UI's task-run list), content-keyed, with
-    explicit retries. `delay` is one number of seconds: the UI shows a list of delays as "None"."""
-    return task(name=stage, task_run_name=stage, cache_policy=content_policy(stage, stage_key(stage)),
+def stage_task(stage: str, retries: int, delay: int,
+               key: Callable[[dict[str, Any]], dict[str, Any]] | None = None, **kw: Any):
+    """The @task of a registered stage: named after it (also in the UI's task-run list), content-keyed (by
+    `key`, default `stage_key(stage)`), with explicit retries. `delay` is one number of seconds: the UI shows
+    a list of delays as "None"."""
+    return task(name=stage, task_run_name=stage, cache_policy=content_policy(stage, key or stage_key(stage)),
                 retries=retries, retry_delay_seconds=delay, **kw)

@@ -1,18 +1,20 @@
-"""Prefect task for stage 2 (extract)."""
+"""Prefect tasks for stage 2: extract (offline, into a store) and produce (online, into the trainer's spool)."""
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
-from prefect import get_run_logger
+from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from eagle3.config import ExtractConfig
+from eagle3.config import ExtractConfig, TrainConfig
 from eagle3.extract import run_extract
-from eagle3.storage.manifests import HiddenStates
-from tasks._cache import stage_task
+from eagle3.storage.manifests import HiddenStates, SpooledStates
+from tasks._cache import content_policy, stage_task
 from tasks._faults import fail_once
-from tasks._gpus import hold_gpus
+from tasks._gpus import cuda_devices, gpu_slots, hold_gpus
+from tasks._online import PartnerGone, partner_gone, producer_inputs, retry_unless_gone
 
 
 def stats_table(m: HiddenStates) -> list[dict[str, Any]]:
@@ -68,4 +70,114 @@ def extract_task(
     log.info("extract: %d samples, %d tokens in %d shards (%s resumed); %s tok/s; %.1f bytes/token",
              m.num_samples, m.num_tokens, len(m.shards), m.stats.get("shards_skipped"),
              m.stats.get("tokens_per_second"), m.stats.get("bytes_per_token", 0.0))
+    return m
+
+
+# ---------------------------------------------------------------- online: the producer
+def _produce_key(i: dict[str, Any]) -> dict[str, Any]:
+    return {"format": SpooledStates.format_version,
+            **producer_inputs(i["model"], i["prepared"], i["cfg"], i["train"], i["spool_bytes"],
+                              i.get("trust_remote_code", False))}
+
+
+def spool_table(m: SpooledStates) -> list[dict[str, Any]]:
+    s = m.stats
+    return [
+        {"what": "tokens produced", "value": s.get("tokens_produced")},
+        {"what": "tok/s", "value": s.get("tokens_per_second")},
+        {"what": "windows (val + train)", "value": m.num_windows},
+        {"what": "windows written", "value": s.get("windows_written")},
+        {"what": "windows written again (trainer resumed)", "value": s.get("windows_written_again")},
+        {"what": "windows evicted", "value": s.get("windows_evicted")},
+        {"what": "spool peak / cap (bytes)", "value": f"{s.get('peak_spool_bytes', 0):,} / {m.spool_bytes:,}"},
+        {"what": "optimizer steps fed", "value": s.get("total_steps")},
+        {"what": "backend", "value": m.backend},
+    ]
+
+
+def publish_spool(m: SpooledStates, out: str) -> None:
+    """The producer's artifacts, made by the flow that ran it (a cached task does not rerun its body)."""
+    create_table_artifact(spool_table(m), key="produce-stats",
+                          description="eagle3 produce (online): tokens, tok/s, windows, spool peak")
+
+
+def spool_headline(m: SpooledStates) -> str:
+    s = m.stats
+    return (f"{s.get('tokens_produced', 0):,} tokens produced at {s.get('tokens_per_second')} tok/s in "
+            f"{s.get('windows_written')} windows ({s.get('windows_written_again')} again); spool peak "
+            f"{s.get('peak_spool_bytes', 0):,} of {m.spool_bytes:,} bytes")
+
+
+class Pace:
+    """The producer's progress as `produce` reports it (after each window): a progress artifact, and a log line
+    every LOG_EVERY seconds from a thread of its own, so that a producer waiting for the trainer to make room
+    still reports (tokens produced / total, tok/s, ETA, the spool's bytes now / its cap)."""
+
+    LOG_EVERY = 30.0
+
+    def __init__(self, log, cap: int):
+        self.log, self.cap = log, cap
+        self.art = create_progress_artifact(0.0, description="eagle3 produce: share of tokens produced")
+        self.done = self.total = self.spool_now = 0
+        self.t0 = self.shown = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="produce progress", daemon=True)
+
+    def __call__(self, done: int, total: int, spool_now: int) -> None:
+        self.done, self.total, self.spool_now = done, total, spool_now
+        now = time.monotonic()
+        if total and (now - self.shown > 5 or done >= total):
+            self.shown = now
+            update_progress_artifact(self.art, min(100.0, 100.0 * done / total),
+                                     description=f"eagle3 produce: share of tokens produced; spool "
+                                     f"{spool_now:,} / {self.cap:,} bytes")
+        if total and done >= total / 2:
+            fail_once("produce")  # a drill, when EAGLE3_FAIL_ONCE asks for one
+
+    def line(self) -> str:
+        rate = self.done / max(time.monotonic() - self.t0, 1e-9)
+        eta = f"{max(self.total - self.done, 0) / rate:.0f} s" if rate > 0 else "n/a"
+        share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        return (f"produce: {self.done:,}/{self.total:,} tokens{share}, {rate:.0f} tok/s, ETA {eta}; "
+                f"spool {self.spool_now:,} / {self.cap:,} bytes")
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.LOG_EVERY):
+            self.log.info(self.line())
+
+    def __enter__(self) -> "Pace":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@task(name="produce", task_run_name="produce", cache_policy=content_policy("produce", _produce_key), retries=2,
+      retry_delay_seconds=10, retry_condition_fn=retry_unless_gone)
+def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
+                 wait_s: float = 900.0, trust_remote_code: bool = False,
+                 devices: list[str] | None = None) -> SpooledStates:
+    """Online: fill the spool `out` with the target's hidden states in the read order of the trainer of `train`,
+    which runs beside this task; end once it has read every window. `devices`: the GPUs of the producer's
+    engine (CUDA_VISIBLE_DEVICES), of those the trainer does not use; None: whatever the process sees.
+    A retry resumes: windows the trainer still needs stay, production restarts at its position."""
+    from eagle3.extract.online import produce
+    from eagle3.storage.spool import TRAINER_BEAT
+
+    log, since = get_run_logger(), time.time()
+    order = train.read_order(train.nproc_per_node)
+    trainer_slots = train.nproc_per_node if devices is not None else gpu_slots()  # what the train task holds
+    with hold_gpus(devices, beside=trainer_slots), cuda_devices(devices), Pace(log, spool_bytes) as pace:
+        try:
+            m = produce(model, prepared, out, cfg, order, spool_bytes, wait_s=wait_s, progress=pace,
+                        trust_remote_code=trust_remote_code)
+        except RuntimeError as e:
+            if partner_gone(out, TRAINER_BEAT, wait_s, since):
+                raise PartnerGone(f"produce: the trainer of {out} has shown no sign of life for {wait_s:.0f} s; "
+                                  f"{e}") from e
+            raise
+    update_progress_artifact(pace.art, 100.0)  # the trainer read every window (a retry counts its own tokens)
+    log.info("produce: %s", spool_headline(m))
     return m

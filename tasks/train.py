@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,39 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.config import TrainConfig
 from eagle3.eval.replay import replay_set_dir
-from eagle3.storage.manifests import HiddenStates, TrainedDraft
+from eagle3.storage.hashing import sha256_file
+from eagle3.storage.manifests import HiddenStates, TrainedDraft, VerifierWeights
+from eagle3.storage.spool import PRODUCER_BEAT, wait_source
 from eagle3.train.launch import command
-from tasks._cache import stage_task
-from tasks._gpus import hold_gpus
+from tasks._cache import stage_key, stage_task
+from tasks._gpus import gpu_slots, hold_gpus
+from tasks._online import OnlineSource, PartnerGone, partner_gone, producer_inputs
 
 
-def build_replay(model: str, prepared: str, aux_ids: list[int], cfg: TrainConfig, trust_remote_code: bool, log) -> str:
+def _online_key(i: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's key beside a producer. The library keys a trained draft on the spool's source.json, but the
+    producer writes that file only once it runs, after this key is needed (the two tasks start together), and a
+    source.json already there may be an earlier run's. What it will hold follows from the producer's inputs, so
+    the key names those instead (the model, the prepared data, the extract settings, the read order, the
+    budget), with the verifier's fingerprint, a warm start's weights and the train config."""
+    cfg, o = i["cfg"], i["online"]
+    o = o if isinstance(o, OnlineSource) else OnlineSource.model_validate(o)
+    return {"format": TrainedDraft.format_version, "online": True,
+            "producer": producer_inputs(i["model"], i["prepared"], o.extract, cfg, o.spool_bytes,
+                                        i.get("trust_remote_code", False)),
+            "verifier": VerifierWeights.read(i["verifier"]).fingerprint,
+            "init_from": sha256_file(Path(cfg.init_from) / "model.safetensors") if cfg.init_from else None,
+            "config": cfg.model_dump(mode="json")}
+
+
+def _train_key(i: dict[str, Any]) -> dict[str, Any]:
+    offline = stage_key("train")
+    return _online_key(i) if i.get("online") is not None else offline({k: v for k, v in i.items()
+                                                                        if k not in ("online", "devices")})
+
+
+def build_replay(model: str, prepared: str, aux_ids: list[int], cfg: TrainConfig, trust_remote_code: bool, log,
+                 env: dict[str, str] | None = None) -> str:
     """The replay set's dir, from the library (content-cached: a set built before is found without loading
     the model); one not built yet is built by `eagle3 replay-set` in a subprocess, so the target's memory,
     GPU included, is freed before training."""
@@ -35,7 +63,7 @@ def build_replay(model: str, prepared: str, aux_ids: list[int], cfg: TrainConfig
                "--aux-layers", ",".join(map(str, aux_ids))]
         cmd += ["--threads", str(cfg.threads)] if cfg.threads else []
         cmd += ["--trust-remote-code"] if trust_remote_code else []
-        run_streamed(cmd, log)
+        run_streamed(cmd, log, env)
         if not replay_set_dir(model, prepared, cfg.replay_prompts, cfg.replay_max_new_tokens, aux_ids,
                               trust_remote_code=trust_remote_code)[2]:
             raise RuntimeError(f"eagle3 replay-set ended without building the replay set in {d}")
@@ -44,12 +72,13 @@ def build_replay(model: str, prepared: str, aux_ids: list[int], cfg: TrainConfig
     return str(d)
 
 
-def run_streamed(cmd: list[str], log) -> str:
-    """Run `cmd`, every output line to the Prefect logger; raise on a non-zero exit (so retries apply).
-    Returns the last output line."""
+def run_streamed(cmd: list[str], log, env: dict[str, str] | None = None) -> str:
+    """Run `cmd` (in `env`, default this process's), every output line to the Prefect logger; raise on a
+    non-zero exit (so retries apply). Returns the last output line."""
     log.info("$ %s", shlex.join(cmd))
     last = ""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as p:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                          env=env) as p:
         for line in p.stdout:
             line = line.rstrip()
             last = line or last
@@ -69,10 +98,10 @@ class UserInputError(RuntimeError):
 
 
 def _retry(task, task_run, state) -> bool:
-    """Retry crashes and kills (the trainer resumes), not refused input."""
+    """Retry crashes and kills (the trainer resumes), not refused input nor an online producer gone for good."""
     try:
         state.result()
-    except UserInputError:
+    except (UserInputError, PartnerGone):
         return False
     except Exception:
         return True
@@ -110,18 +139,38 @@ def publish(m: TrainedDraft, out: str) -> None:
     create_markdown_artifact(summary_markdown(m, out), key="train-summary", description="eagle3 train: summary")
 
 
-@stage_task("train", retries=2, delay=10, retry_condition_fn=_retry)
+@stage_task("train", retries=2, delay=10, key=_train_key, retry_condition_fn=_retry)
 def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "", model: str = "",
-               prepared: str = "", trust_remote_code: bool = False) -> TrainedDraft:
+               prepared: str = "", trust_remote_code: bool = False, online: OnlineSource | None = None,
+               devices: list[str] | None = None) -> TrainedDraft:
     """Train the draft under torchrun; a retry resumes from the last checkpoint. Given the target and the
-    prepared dir, first build the replay set (cfg.replay_prompts val prompts) its validation replays."""
-    log = get_run_logger()
-    with hold_gpus():
-        replay = None
-        if cfg.replay_prompts and model and prepared:
-            replay = build_replay(model, prepared, HiddenStates.read(hidden).aux_layer_ids, cfg, trust_remote_code, log)
-        # the stage dir follows its inputs: checkpoints of other inputs are stale, not a conflict
-        run_streamed(command(hidden, verifier, out, cfg, verifier_name, restart_on_mismatch=True, replay=replay), log)
+    prepared dir, first build the replay set (cfg.replay_prompts val prompts) its validation replays.
+
+    `online`: `hidden` is the spool a producer fills beside this task (`eagle3 train --online`); `devices`:
+    the GPUs of the trainer's processes (CUDA_VISIBLE_DEVICES), of those the producer does not use; None:
+    whatever the process sees."""
+    log, since = get_run_logger(), time.time()
+    env = None if devices is None else {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)}
+    beside = 0 if online is None else online.producer_slots if devices is not None else gpu_slots()
+    with hold_gpus(devices, beside=beside):
+        try:
+            replay = None
+            if cfg.replay_prompts and model and prepared:
+                if online is not None:  # the layer ids the producer resolved, in the source.json it writes first
+                    aux = wait_source(hidden, online.wait_s).aux_layer_ids
+                else:
+                    aux = HiddenStates.read(hidden).aux_layer_ids
+                replay = build_replay(model, prepared, aux, cfg, trust_remote_code, log, env)
+            # the stage dir follows its inputs: checkpoints of other inputs are stale, not a conflict
+            run_streamed(command(hidden, verifier, out, cfg, verifier_name, restart_on_mismatch=True, replay=replay,
+                                 online=online is not None, wait_s=online.wait_s if online else 900.0), log, env)
+        except UserInputError:
+            raise
+        except RuntimeError as e:
+            if online is not None and partner_gone(hidden, PRODUCER_BEAT, online.wait_s, since):
+                raise PartnerGone(f"train: the producer of {hidden} has shown no sign of life for "
+                                  f"{online.wait_s:.0f} s; {e}") from e
+            raise
     m = TrainedDraft.read(out)
     log.info("train: %s", json.dumps({"steps": m.steps, "best_sim_tau": m.best_sim_tau,
                                       "best_replay_tau": m.best_replay_tau, "best_metric": m.best_metric}))

@@ -1,0 +1,312 @@
+"""Online mode in the Prefect pipeline, on a real `prefect server start` with process workers
+(tests/prefect_service.py): the producer and the trainer run as two tasks side by side, the draft equals the
+offline pipeline's byte for byte, retries of either side resume to the same bytes, an unchanged rerun is served
+from the cache; and how the two split the GPU host's devices and the `gpus` slots."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
+
+import prefect_service as ps
+from prefect_service import events, logs, trigger
+
+LOCAL = {"EAGLE3_GPU_DEPLOYMENT": ""}  # every stage in the cpu worker's flow run (no hop)
+
+
+# ---------------------------------------------------------------- no server
+def test_visible_devices_split_in_order_and_too_few_is_an_error(monkeypatch):
+    from tasks._gpus import cuda_devices, split_devices
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert split_devices(1, 1) is None  # CPU: nothing named, each side holds one slot
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert split_devices(2, 4) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert split_devices(2, 4) == [["0", "1"], ["2", "3", "4", "5"]]  # the producer's TP x PP first
+    assert split_devices(4, 4) == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5,7")
+    assert split_devices(1, 2) == [["3"], ["5", "7"]]
+    with pytest.raises(ValueError, match=r"names 3 devices; the stages that run side by side need 2 \+ 2 = 4"):
+        split_devices(2, 2)
+    with cuda_devices(["5", "7"]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,7"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3, 5,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with cuda_devices(["1"]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    with cuda_devices(None):
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_producer_logs_its_pace_while_it_waits(monkeypatch):
+    """A log line every LOG_EVERY seconds (from its own thread, so a producer blocked on a full spool still
+    reports): tokens produced / total, tok/s, ETA, the spool's bytes now / its cap."""
+    import tasks.extract as te
+
+    monkeypatch.setattr(te, "create_progress_artifact", lambda *a, **k: "artifact")
+    shown: list[float] = []
+    monkeypatch.setattr(te, "update_progress_artifact", lambda art, p, **k: shown.append(p))
+    monkeypatch.setattr(te.Pace, "LOG_EVERY", 0.05)
+    lines: list[str] = []
+
+    class Log:
+        def info(self, msg, *args):
+            lines.append(msg % args if args else msg)
+
+    with te.Pace(Log(), 1_500_000) as pace:
+        pace(500, 2000, 700_000)
+        time.sleep(0.3)  # no window written meanwhile: the lines keep coming
+        assert len(lines) >= 3 and shown == []  # the artifact moves every 5 s at most, and at the end
+        assert lines[-1].startswith("produce: 500/2,000 tokens (25%), ") and " tok/s, ETA " in lines[-1]
+        assert lines[-1].endswith("; spool 700,000 / 1,500,000 bytes")
+        pace(2000, 2000, 0)
+    assert shown == [100.0]
+
+
+def test_a_side_whose_partner_is_gone_is_not_retried(tmp_path):
+    """A side that failed while its partner's beat file was silent for wait_s fails as PartnerGone, which neither
+    task retries (the partner's own retries start within seconds: one silent that long has ended for good)."""
+    from tasks._online import PartnerGone, partner_gone, retry_unless_gone
+    from tasks.train import UserInputError, _retry
+
+    beat = tmp_path / "trainer.beat"
+    now = time.time()
+    assert not partner_gone(tmp_path, beat.name, 60, since=now)  # never touched, but this attempt just began
+    assert partner_gone(tmp_path, beat.name, 60, since=now - 61)
+    beat.touch()
+    os.utime(beat, (now - 100, now - 100))
+    assert partner_gone(tmp_path, beat.name, 60, since=now - 1000)
+    beat.touch()
+    assert not partner_gone(tmp_path, beat.name, 60, since=now - 1000)
+
+    class Failed:
+        def __init__(self, e):
+            self.e = e
+
+        def result(self):
+            raise self.e
+
+    assert retry_unless_gone(None, None, Failed(RuntimeError("engine died")))
+    assert not retry_unless_gone(None, None, Failed(PartnerGone("the trainer is gone")))
+    assert _retry(None, None, Failed(RuntimeError("exited with status 1")))
+    assert not _retry(None, None, Failed(PartnerGone("the producer is gone")))
+    assert not _retry(None, None, Failed(UserInputError("refused")))
+
+
+# ---------------------------------------------------------------- a real server
+@pytest.fixture(scope="module")
+def service(request, tmp_path_factory):
+    """The service with a `gpus` limit of 8 (the gpu pool's deployments see devices 0-7)."""
+    home = tmp_path_factory.mktemp("prefect-online")
+    with ps.service(home, gpus=8, while_booting=lambda: request.getfixturevalue("tiny_llama_dir")) as s:
+        print(f"\nservice ready in {s.seconds['ready']:.1f} s")
+        yield s
+
+
+@pytest.fixture
+def client(service):
+    with service.client() as c:
+        yield c
+
+
+def config(root: Path, model: Path, mode: str) -> PipelineConfig:
+    """40 real ShareGPT conversations on the tiny Llama; fp32 states, one sample per hf batch (its states do not
+    depend on its batch-mates), so online and offline train on the same floats; a spool of 1.5 MB (the offline
+    store is larger: the spool is cycled), 2 epochs of 10 steps, a checkpoint every 4."""
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 plus 2?"}) + "\n")
+    return PipelineConfig(
+        model=str(model), run_dir=str(root / mode), mode=mode, spool_bytes=1_500_000, spool_wait_s=120,
+        prepare=PrepareConfig(data=os.environ.get("EAGLE3_TEST_SHAREGPT", "sharegpt"), limit=40, max_len=96,
+                              val_fraction=0.1, draft_vocab=256),
+        extract=ExtractConfig(aux_layer_ids=[1, 3, 4], storage="fp32", batch_tokens=64),
+        train=TrainConfig(ttt_steps=2, pack_tokens=192, epochs=2, lr=1e-3, warmup_steps=1, threads=1, log_every=1,
+                          val_every=1000, ckpt_every=4, replay_max_new_tokens=16),
+        eval=EvalConfig(prompts=str(prompts), k=2, max_new_tokens=6),
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(service, tmp_path_factory, tiny_llama_dir):
+    """The offline pipeline on the same config (its own run dir): the draft's bytes and the store's size."""
+    root = tmp_path_factory.mktemp("online-flow")
+    cfg = config(root, tiny_llama_dir, "offline")
+    t0 = time.time()
+    with service.client() as c:
+        run = trigger(c, "eagle3-pipeline/eagle3-pipeline", {"config": cfg.model_dump(mode="json")}, {"env": LOCAL})
+        assert run.state.is_completed(), logs(c, run)[-4000:]
+    store = sum(f.stat().st_size for f in (cfg.stage_dir("extract") / "shards").iterdir())
+    print(f"\noffline run {time.time() - t0:.1f} s")
+    return root, weights(cfg), store
+
+
+def weights(cfg: PipelineConfig) -> bytes:
+    return (cfg.stage_dir("train") / "final" / "model.safetensors").read_bytes()
+
+
+def task_runs(client, run) -> dict:
+    """The flow run's task runs by name (hops included), skipping run_deployment's placeholders."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    trs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    return {t.name: t for t in trs if t.name in (*ps.STAGES, "produce")}
+
+
+def subflows(client, run) -> dict:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    kids = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+    return {k.name: k for k in kids}
+
+
+def artifacts(client, run) -> dict:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    return {a.key: a for a in arts if a.key}
+
+
+def overlap(a, b) -> float:
+    """Seconds two (start, end) intervals share."""
+    return (min(a[1], b[1]) - max(a[0], b[0])).total_seconds()
+
+
+def gpu_work(client, since: datetime, expect: int, timeout: float = 60) -> dict[str, list]:
+    """Per flow run, the GPU work its tasks did (tasks/_gpus.py's events): [(start, end, slots, devices)]."""
+    deadline = time.time() + timeout
+    while True:  # the server persists events in batches
+        starts, out = {}, {}
+        for e in events(client, ["eagle3.gpus.start", "eagle3.gpus.end"], since):
+            fr = next(r.id for r in e.related if r.id.startswith("prefect.flow-run."))
+            if e.event == "eagle3.gpus.start":
+                starts[e.id] = e
+            elif e.follows in starts:
+                s = starts.pop(e.follows)
+                out.setdefault(fr.removeprefix("prefect.flow-run."), []).append(
+                    (s.occurred, e.occurred, int(e.resource["slots"]), e.resource["devices"]))
+        if sum(map(len, out.values())) >= expect or time.time() > deadline:
+            return out
+        time.sleep(1)
+
+
+def check_spool(cfg: PipelineConfig, store: int) -> dict:
+    m = json.loads((cfg.stage_dir("extract") / "manifest.json").read_text())  # SpooledStates
+    assert store > cfg.spool_bytes >= m["stats"]["peak_spool_bytes"] > 0  # the store never fit: the spool cycled
+    assert m["num_windows"] >= 6
+    assert not list((cfg.stage_dir("extract") / "shards").iterdir())  # nothing of the states is kept
+    return m
+
+
+def test_online_pipeline_as_deployed_runs_both_sides_at_once_and_equals_offline(service, client, reference,
+                                                                               tiny_llama_dir):
+    """As deployed (the GPU stages hop to the gpu pool): `produce` and `train` are two tasks of the pipeline run,
+    each starting its flow run on the gpu pool; both work at once, on devices 0 and 1 of the host's eight, one
+    `gpus` slot each; the draft is the offline pipeline's byte for byte."""
+    root, ref, store = reference
+    cfg = config(root, tiny_llama_dir, "online")
+    since = datetime.now(timezone.utc)
+    t0 = time.time()
+    run = trigger(client, "eagle3-pipeline/eagle3-pipeline", {"config": cfg.model_dump(mode="json")})
+    assert run.state.is_completed(), logs(client, run)[-4000:]
+    took = time.time() - t0
+    assert weights(cfg) == ref
+    check_spool(cfg, store)
+
+    trs = task_runs(client, run)
+    assert {n: (t.state.name, t.run_count) for n, t in trs.items()} == {
+        s: ("Completed", 1) for s in ("prepare", "verifier", "produce", "train", "eval")}
+    kids = subflows(client, run)
+    assert {n: (k.state.name, k.work_pool_name) for n, k in kids.items()} == {
+        f"{s} · {run.name}": ("Completed", "gpu") for s in ("produce", "train", "eval")}
+    produce, train = kids[f"produce · {run.name}"], kids[f"train · {run.name}"]
+    assert overlap((produce.start_time, produce.end_time), (train.start_time, train.end_time)) > 0
+    # the GPU work itself, from the server's events: at once, each on its own device of the eight
+    work = gpu_work(client, since, expect=3)
+    (p,), (t,) = work[str(produce.id)], work[str(train.id)]
+    assert (p[2:], t[2:]) == ((1, "0"), (1, "1"))
+    assert overlap(p[:2], t[:2]) > 0
+    # the log says what ran side by side; the producer's own figures are an artifact of its flow run
+    text = logs(client, run)
+    assert "produce + train (online): started side by side on deployments eagle3-produce/produce-gpu" in text
+    assert "produce | produce: " in text and " tokens produced at " in text
+    assert "produce-stats" in artifacts(client, produce)
+    rows = {r["stage"]: r for r in json.loads(artifacts(client, run)["eagle3-run-stages"].data)}
+    assert rows["produce"]["dir"] == str(cfg.stage_dir("extract"))
+    print(f"\nonline run (hops) {took:.1f} s")
+
+
+def test_online_retries_resume_to_the_same_bytes_and_a_rerun_is_cached(service, client, reference, tiny_llama_dir):
+    """In the cpu worker's flow run (no hop): the producer fails once midway (EAGLE3_FAIL_ONCE) and the trainer
+    is SIGKILLed at its 7th step (EAGLE3_KILL_AT, after the step-4 checkpoint); each is retried by Prefect
+    (run count 2) and resumes, and the draft is still the offline one byte for byte. The same parameters again:
+    both served from the cache; another learning rate: both run again. A `gpus` limit smaller than the pair's
+    slots is refused, not waited on."""
+    root, ref, store = reference
+    cfg = config(root, tiny_llama_dir, "online").model_copy(update={"run_dir": str(root / "online-retried")})
+    params = {"config": cfg.model_dump(mode="json")}
+    produce_marker, train_marker = root / "produce-failed-once", root / "train-killed-once"
+    drills = {**LOCAL, "EAGLE3_FAIL_ONCE": f"produce:{produce_marker}", "EAGLE3_KILL_AT": "train.step:7",
+              "EAGLE3_KILL_MARKER": str(train_marker)}
+    t0 = time.time()
+    run = trigger(client, "eagle3-pipeline/eagle3-pipeline", params, {"env": drills})
+    assert run.state.is_completed(), logs(client, run)[-4000:]
+    took = time.time() - t0
+    assert produce_marker.is_file() and train_marker.is_file()
+    assert weights(cfg) == ref
+    check_spool(cfg, store)
+    trs = task_runs(client, run)
+    assert {n: (t.state.name, t.run_count) for n, t in trs.items()} == {
+        "prepare": ("Completed", 1), "verifier": ("Completed", 1), "produce": ("Completed", 2),
+        "train": ("Completed", 2), "eval": ("Completed", 1)}
+    assert not subflows(client, run)
+    p, t = trs["produce"], trs["train"]
+    assert overlap((p.start_time, p.end_time), (t.start_time, t.end_time)) > 0
+    assert "produce: injected transient failure" in logs(client, run)
+    assert "produce-stats" in artifacts(client, run)
+
+    t1 = time.time()
+    again = trigger(client, "eagle3-pipeline/eagle3-pipeline", params, {"env": LOCAL})
+    assert again.state.is_completed(), logs(client, again)[-4000:]
+    assert {n: t.state.name for n, t in task_runs(client, again).items()} == dict.fromkeys(
+        ("prepare", "verifier", "produce", "train", "eval"), "Cached")
+    cached = time.time() - t1
+
+    # Another learning rate: the producer's inputs (its read order) are unchanged and its task would be served
+    # from the cache, leaving the new trainer without shards; the pair is not done, so both run again.
+    from tasks._online import pair_done, producer_inputs
+
+    spool, out, ver = (str(cfg.stage_dir(s)) for s in ("extract", "train", "verifier"))
+    fp = producer_inputs(cfg.model, str(cfg.stage_dir("prepare")), cfg.extract, cfg.train, cfg.spool_bytes)
+    assert pair_done(spool, out, fp, ver, cfg.train)
+    lr = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": 2e-3})})
+    assert not pair_done(spool, out, fp, ver, lr.train)
+    t2 = time.time()
+    other = trigger(client, "eagle3-pipeline/eagle3-pipeline", {"config": lr.model_dump(mode="json")},
+                    {"env": LOCAL})
+    assert other.state.is_completed(), logs(client, other)[-4000:]
+    assert {n: t.state.name for n, t in task_runs(client, other).items()} == {
+        "prepare": "Cached", "verifier": "Cached", "produce": "Completed", "train": "Completed",
+        "eval": "Completed"}
+    assert weights(lr) != ref
+    relearned = time.time() - t2
+
+    # the pair needs 1 + 1 slots here; against a limit of 1 each would wait for the other forever
+    from tasks._gpus import hold_gpus
+
+    service.setup(1)
+    try:
+        with service.client(), pytest.raises(ValueError, match=r"the 'gpus' limit has 1 slots; these side-by-side "
+                                                               r"stages hold 1 \+ 1 at once"), hold_gpus(beside=1):
+            pass
+    finally:
+        service.setup(8)
+    print(f"\nonline run with both retries {took:.1f} s; cached rerun {cached:.1f} s; another lr {relearned:.1f} s")
