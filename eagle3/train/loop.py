@@ -166,10 +166,15 @@ def validate(model, head, store, cfg: TrainConfig, world: dist.Dist, amp, cache:
     packs = epoch_packs(lengths, cfg.seed, -1, cfg.pack_tokens)[: cfg.val_max_packs]
     m = Meter(cfg.ttt_steps)
     model.eval()
-    for i in range(world.rank, len(packs), world.world):
-        batch = collate(store, packs[i], cfg.pack_tokens, world.device)
-        out = row_pass(model, cache(head, batch, "val", packs[i]), batch, amp)
-        m.add(out, chain_acceptance(out), rows=1, tokens=batch["input_ids"].numel())
+    # Every rank runs as many passes (a DDP forward broadcasts buffers, an FSDP one gathers shards: both are
+    # collectives): with fewer packs than ranks, or a remainder, a rank repeats a pack and does not count it.
+    n = -(-len(packs) // world.world) * world.world
+    for i in range(world.rank, n, world.world):
+        idx = packs[i % len(packs)]
+        batch = collate(store, idx, cfg.pack_tokens, world.device)
+        out = row_pass(model, cache(head, batch, "val", idx), batch, amp)
+        if i < len(packs):
+            m.add(out, chain_acceptance(out), rows=1, tokens=batch["input_ids"].numel())
     model.train()
     return m.reduce(world)
 
