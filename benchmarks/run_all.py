@@ -36,12 +36,14 @@ BENCHES = {
     "families": "benchmarks.drills.families",
     "verify_on_read": "benchmarks.speed.verify_on_read",
     "load": "benchmarks.drills.load",
+    "online": "benchmarks.speed.online",
 }
 QUICK = {  # smaller settings for a smoke run of this script itself
     "prepare": ["--limit", "200"],
     "verify_on_read": ["--gib", "0.3", "--ranks", "4", "--repeats", "1"],
     "train": ["--vocab", "8192", "--k", "3", "--pack", "512", "--steps", "1"],
     "heap": ["--only", "train", "--steps", "1", "--warmup", "1", "--repeats", "1"],
+    "online": ["--limit", "100", "--spool-fraction", "0.1"],
 }
 
 
