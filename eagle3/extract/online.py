@@ -24,6 +24,7 @@ from eagle3.storage.atomic import atomic_write_json, clean_temp_files
 from eagle3.storage.manifests import PreparedData, SpooledStates, SpoolSource
 from eagle3.storage.spool import (
     PLAN,
+    POSITION,
     PRODUCER_BEAT,
     PRODUCER_ERROR,
     TRAINER_BEAT,
@@ -89,6 +90,7 @@ class Producer:
         self.first_row = first  # split -> its first row in `samples`
         self.tokens_done = self.produced = self.reproduced = self.evicted = self.peak = 0
         self.furthest = 0  # the furthest position of the trainer seen: a window before it is written again
+        self.low = 0  # train windows before this one are deleted (a killed run's leftovers: none yet)
         self.progress: Progress | None = None
         self.total = 0  # tokens of every window, once each (a window written again counts again in tokens_done)
 
@@ -118,7 +120,7 @@ class Producer:
         if old is None or old["key"] != p.key:
             for f in (root / SHARD_DIR).iterdir():
                 f.unlink()
-            (root / "position.json").unlink(missing_ok=True)
+            (root / POSITION).unlink(missing_ok=True)
         source.write(root)
         atomic_write_json(root / PLAN, p.to_json())
         return cls(spool, p, source, samples, target, cfg, wait_s, backend)
@@ -149,10 +151,11 @@ class Producer:
         return None
 
     def trim(self, position: int) -> None:
-        """Delete the train windows before the trainer's position."""
-        for w in self.plan.train[:position]:
-            if (self.spool.root / w.record).exists() or (self.spool.root / w.file).exists():
-                self.spool.drop(w)
+        """Delete the train windows before the trainer's position: those from the lowest not yet deleted (a
+        trainer that went back lowers it: the windows it reads again are written again)."""
+        for w in self.plan.train[min(self.low, position):position]:
+            self.spool.drop(w)
+        self.low = position
 
     def make_room(self, w: Window, position: int) -> bool:
         """Whether `w` fits the budget now, evicting committed windows after it (furthest first) when a trainer

@@ -50,3 +50,9 @@ def micro_packs(packs: list[list[int]], step: int, rank: int, world: int, grad_a
     """The packs rank `rank` trains on in optimizer step `step` of the epoch."""
     G = world * grad_accum
     return [packs[(step * G + a * world + rank) % len(packs)] for a in range(grad_accum)]
+
+
+def val_packs(lengths: Sequence[int], seed: int, pack_tokens: int, max_packs: int | None) -> list[list[int]]:
+    """The packs every validation reads: one fixed shuffle (epoch -1), the first `max_packs` of them (all: None).
+    The trainer validates on them and an online producer keeps exactly their samples."""
+    return epoch_packs(lengths, seed, -1, pack_tokens)[:max_packs]

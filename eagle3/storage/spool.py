@@ -45,7 +45,7 @@ import torch
 from eagle3.storage.atomic import atomic_write_json, atomic_write_text
 from eagle3.storage.hashing import sha256_json
 from eagle3.storage.manifests import SpoolSource
-from eagle3.storage.order import epoch_packs, micro_packs, steps_per_epoch
+from eagle3.storage.order import epoch_packs, micro_packs, steps_per_epoch, val_packs
 from eagle3.storage.store import SHARD_DIR, as_sample, mmap_shard, shard_meta, shard_problem
 
 PLAN, POSITION = "plan.json", "position.json"
@@ -154,31 +154,29 @@ def plan(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_token: i
     val = None
     vlen = source.lengths.get("val") or []
     if vlen:
-        packs = epoch_packs(vlen, order.seed, -1, order.pack_tokens)[: order.val_max_packs]
-        rows = sorted({i for p in packs for i in p})
+        rows = sorted({i for p in val_packs(vlen, order.seed, order.pack_tokens, order.val_max_packs) for i in p})
         tokens = sum(vlen[i] for i in rows)
         val = Window("val", 0, 0, 0, rows, tokens, shard_bytes(tokens, len(rows), bytes_per_token))
     room = spool_bytes - (val.bytes if val else 0)
     cap = room // 2
     windows: list[Window] = []
-    cur: dict[int, None] = {}
-    first = step = 0
+    cur: dict[int, None] = {}  # the open window's samples, in first-read order
+    tokens = first = step = 0  # tokens: of `cur`, kept as it grows (no re-sum per step)
 
     def cut(end: int) -> None:
-        rows = list(cur)
-        tokens = sum(lengths[i] for i in rows)
-        windows.append(Window("train", len(windows), first, end, rows, tokens,
-                              shard_bytes(tokens, len(rows), bytes_per_token)))
+        windows.append(Window("train", len(windows), first, end, list(cur), tokens,
+                              shard_bytes(tokens, len(cur), bytes_per_token)))
 
     for step, rows in enumerate(step_rows(lengths, order)):
-        new = {**cur, **dict.fromkeys(rows)}
-        need = shard_bytes(sum(lengths[i] for i in new), len(new), bytes_per_token)
+        fresh = [i for i in rows if i not in cur]
+        need = shard_bytes(tokens + sum(lengths[i] for i in fresh), len(cur) + len(fresh), bytes_per_token)
         if cur and need > cap:
             cut(step)
-            cur, first = dict.fromkeys(rows), step
-            need = shard_bytes(sum(lengths[i] for i in cur), len(cur), bytes_per_token)
+            cur, first, tokens = dict.fromkeys(rows), step, sum(lengths[i] for i in rows)
+            need = shard_bytes(tokens, len(cur), bytes_per_token)
         else:
-            cur = new
+            cur.update(dict.fromkeys(fresh))
+            tokens += sum(lengths[i] for i in fresh)
         if need > room:
             raise ValueError(
                 f"spool_bytes {spool_bytes:,} is too small: optimizer step {step} alone reads {len(rows)} samples "

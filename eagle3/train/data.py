@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.storage.order import epoch_packs, micro_packs, pack, steps_per_epoch
+from eagle3.storage.order import epoch_packs, micro_packs, pack, steps_per_epoch, val_packs
 
-__all__ = ["collate", "epoch_packs", "micro_packs", "pack", "steps_per_epoch"]
+__all__ = ["collate", "epoch_packs", "micro_packs", "pack", "steps_per_epoch", "val_packs"]
 
 
 def collate(store, idx: list[int], pack_tokens: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

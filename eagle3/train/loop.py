@@ -33,7 +33,7 @@ from eagle3.storage.manifests import HiddenStates, SpoolSource, TrainedDraft, Ve
 from eagle3.storage.store import bytes_per_token, open_store
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
-from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
+from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch, val_packs
 from eagle3.train.loss import TargetHead, TTTLossOutput, step_weights, ttt_loss_fused
 from eagle3.train.metrics import Meter, TensorBoard, chain_acceptance, plot_curves
 
@@ -163,7 +163,7 @@ def validate(model, head, store, cfg: TrainConfig, world: dist.Dist, amp, cache:
     if store is None or len(store) == 0:
         return {}
     lengths = store.lengths
-    packs = epoch_packs(lengths, cfg.seed, -1, cfg.pack_tokens)[: cfg.val_max_packs]
+    packs = val_packs(lengths, cfg.seed, cfg.pack_tokens, cfg.val_max_packs)
     m = Meter(cfg.ttt_steps)
     model.eval()
     # Every rank runs as many passes (a DDP forward broadcasts buffers, an FSDP one gathers shards: both are
