@@ -98,6 +98,10 @@ class ExtractConfig(_Cfg):
     splits: list[str] = Field(["train", "val"], description="prepared splits to extract")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM TP size")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM PP size")
+    workers: int = Field(
+        1, ge=1, description="extraction workers: the shard plan is cut into this many ranges, each extracted by its "
+        "own task and engine (TP x PP GPUs, on whichever GPU worker takes it), then one store is committed from them "
+        "(bitwise the one-worker store); online, this many producers fill the spool")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vLLM gpu_memory_utilization")
     max_num_batched_tokens: int | None = Field(None, ge=1,
                                                description="vLLM max_num_batched_tokens; empty: vLLM's default")

@@ -52,6 +52,7 @@ class Service:
     home: Path
     env: dict[str, str]  # a client's environment: URL and credentials
     seconds: dict[str, float] = field(default_factory=dict)
+    workers: dict[str, subprocess.Popen] = field(default_factory=dict)  # worker name -> its process
 
     @contextlib.contextmanager
     def client(self) -> Iterator:
@@ -71,8 +72,10 @@ class Service:
 
 @contextlib.contextmanager
 def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | None = None,
-            while_booting: Callable[[], object] | None = None) -> Iterator[Service]:
-    """The whole service on a free loopback port, stopped (every process group) on exit."""
+            while_booting: Callable[[], object] | None = None, gpu_workers: int = 1) -> Iterator[Service]:
+    """The whole service on a free loopback port, stopped (every process group) on exit. `gpu_workers`: process
+    workers on the gpu pool (eagle3-gpu, eagle3-gpu-2, ...: GPU hosts), each in its own process group,
+    `Service.workers` by name (a test may kill one)."""
     import httpx
 
     port = free_port()
@@ -105,9 +108,12 @@ def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | N
         deploy = start([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
                         "deployments/prefect.yaml"], env, home / "deploy.log", cwd=REPO)
         procs.append(deploy)
-        for pool in ("cpu", "gpu"):
-            procs.append(start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", f"eagle3-{pool}"],
-                               {**env, **(worker_env or {}).get(pool, {})}, home / f"worker-{pool}.log", cwd=REPO))
+        names = [("cpu", "eagle3-cpu")] + [("gpu", "eagle3-gpu" + (f"-{k + 1}" if k else "")) for k in range(gpu_workers)]
+        for pool, name in names:
+            w = start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", name],
+                      {**env, **(worker_env or {}).get(pool, {})}, home / f"worker-{name}.log", cwd=REPO)
+            procs.append(w)
+            s.workers[name] = w
         assert deploy.wait(180) == 0, (home / "deploy.log").read_text()[-4000:]
         s.seconds["ready"] = time.time() - t0
         yield s

@@ -48,11 +48,12 @@ from prefect_service import (
 @pytest.fixture(scope="module")
 def service(request, tmp_path_factory):
     """The service (tests/prefect_service.py) with basic auth on: every client below holds the credentials,
-    as docs/service.md's multi-host set-up does. The gpu worker fails extraction once (EAGLE3_FAIL_ONCE)."""
+    as docs/service.md's multi-host set-up does. Two gpu workers: two 8-GPU hosts, so the `gpus` limit is 16.
+    The gpu workers fail extraction once (EAGLE3_FAIL_ONCE)."""
     home = tmp_path_factory.mktemp("prefect-service")
     marker = home / "extract-failed-once"
-    with ps.service(home, gpus=8, worker_env={"gpu": {"EAGLE3_FAIL_ONCE": f"extract:{marker}"}},
-                    while_booting=lambda: request.getfixturevalue("tiny_llama_dir")) as s:
+    with ps.service(home, gpus=16, worker_env={"gpu": {"EAGLE3_FAIL_ONCE": f"extract:{marker}"}},
+                    while_booting=lambda: request.getfixturevalue("tiny_llama_dir"), gpu_workers=2) as s:
         print(f"\nserver up in {s.seconds['server']:.1f} s; pools, limit, workers and deployments in "
               f"{s.seconds['ready']:.1f} s")
         s.marker = marker
@@ -144,7 +145,7 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
 
     # What prefect.yaml and setup.py put on the server.
     assert {p: client.read_work_pool(p).type for p in ("cpu", "gpu")} == {"cpu": "process", "gpu": "process"}
-    assert client.read_global_concurrency_limit_by_name("gpus").limit == 8
+    assert client.read_global_concurrency_limit_by_name("gpus").limit == 16  # two 8-GPU hosts
     pipe = client.read_deployment_by_name("eagle3-pipeline/eagle3-pipeline")
     assert pipe.work_pool_name == "cpu" and not pipe.schedules
     assert pipe.job_variables["env"]["EAGLE3_GPU_DEPLOYMENT"] == "gpu"
@@ -255,7 +256,7 @@ def test_deployed_run_with_the_vllm_backend_on_the_gpu_pool(service, client, fam
     regenerate on the engine run in tests/test_vllm_pipeline.py; each engine costs ~45 s to start here.)"""
     from eagle3.storage.manifests import EvalReport, HiddenStates
 
-    service.setup(8)  # the load drill above left the `gpus` limit at 1; the gpu pool's deployments take 8
+    service.setup(16)  # the load drill above left the `gpus` limit at 1; two 8-GPU hosts take 16
     service.marker.touch()  # the gpu worker's injected extraction failure is spent (run A retries it)
     data, prompts = tiny_inputs(tmp_path)
     eager = {"enforce_eager": True}  # tests/engine.py: an engine starts in ~45 s instead of ~150 s
