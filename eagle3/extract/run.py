@@ -428,6 +428,7 @@ def ranges_stats(ranges: Sequence[HiddenRange]) -> dict[str, Any]:
         "shards_written": sum(r.stats.get("shards_written", 0) for r in ranges),
         "tokens_per_second": round(sum(rates), 1) or None,
         "ranges": [{"part": r.part, "shards": len(r.shards), "tokens": r.num_tokens,
+                    "shards_skipped": r.stats.get("shards_skipped"),
                     "tokens_computed": r.stats.get("tokens_computed"), "seconds": r.stats.get("seconds"),
                     "tokens_per_second": r.stats.get("tokens_per_second")} for r in ranges],
     }
