@@ -50,11 +50,12 @@ from prefect_service import (
 @pytest.fixture(scope="module")
 def service(request, tmp_path_factory):
     """The service (tests/prefect_service.py) with basic auth on: every client below holds the credentials,
-    as docs/service.md's multi-host set-up does. Two gpu workers: two 8-GPU hosts, so the `gpus` limit is 16.
+    as docs/service.md's multi-host set-up does. Two gpu workers, one flow run at a time each: two 8-GPU hosts,
+    so the `gpus` limit is 16.
     A flow run silent for 60 s (twice its heartbeat) is marked Crashed."""
     home = tmp_path_factory.mktemp("prefect-service")
     with ps.service(home, gpus=16, while_booting=lambda: request.getfixturevalue("tiny_llama_dir"), gpu_workers=2,
-                    silent_s=60) as s:
+                    silent_s=60, gpu_limit=1) as s:
         print(f"\nserver up in {s.seconds['server']:.1f} s; pools, limit, workers and deployments in "
               f"{s.seconds['ready']:.1f} s")
         yield s
