@@ -108,7 +108,8 @@ def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | N
         deploy = start([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
                         "deployments/prefect.yaml"], env, home / "deploy.log", cwd=REPO)
         procs.append(deploy)
-        names = [("cpu", "eagle3-cpu")] + [("gpu", "eagle3-gpu" + (f"-{k + 1}" if k else "")) for k in range(gpu_workers)]
+        names = [("cpu", "eagle3-cpu")] + [("gpu", "eagle3-gpu" + (f"-{k + 1}" if k else ""))
+                                           for k in range(gpu_workers)]
         for pool, name in names:
             w = start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", name],
                       {**env, **(worker_env or {}).get(pool, {})}, home / f"worker-{name}.log", cwd=REPO)
