@@ -231,7 +231,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     # CPU: measured SmolLM2 rates (2 threads, k=3): ~700 tok/s in epoch 1, ~1,100 tok/s later
     # (the target's full-vocab argmax is cached per sample after the first epoch)
     cpu_s = (tokens / 700 + tokens * (tc.epochs - 1) / 1100) * (P / 10e6) * (tc.ttt_steps / 3)
-    tr_s = tr_flops / (tc.nproc_per_node * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s
+    tr_s = tr_flops / (tc.world * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s
     epochs = epochs_read(cfg, tokens) if cfg.mode == "online" else 1  # online: extraction runs once per epoch
     ex_s *= worker_share(cfg, t, tokens)
     pl.seconds = stage_seconds(cfg, t, tokens, ex_s * epochs, tr_s)
@@ -299,7 +299,7 @@ def spool_floor(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> float:
     the step before: the validation shard plus two steps. A step reads nproc x grad_accum packs, each of at
     most max(pack_tokens, max_len) stored tokens (samples are stored whole; the trainer cuts them)."""
     tc = cfg.train
-    step = tc.nproc_per_node * tc.grad_accum * max(tc.pack_tokens, cfg.prepare.max_len)
+    step = tc.world * tc.grad_accum * max(tc.pack_tokens, cfg.prepare.max_len)
     return spool_val_bytes(cfg, t, tokens) + 2 * offline_store_bytes(cfg, t, step)
 
 
@@ -371,7 +371,7 @@ def epochs_read(cfg: PipelineConfig, tokens: int) -> int:
         return tc.epochs
     train = tokens * (1 - val_share(cfg))
     packs = max(1, -(-int(train) // tc.pack_tokens))
-    per_epoch = -(-packs // (tc.nproc_per_node * tc.grad_accum))
+    per_epoch = -(-packs // (tc.world * tc.grad_accum))
     return -(-tc.max_steps // per_epoch)
 
 

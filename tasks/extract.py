@@ -238,7 +238,7 @@ def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train:
     from eagle3.storage.spool import TRAINER_BEAT
 
     log, since = get_run_logger(), time.time()
-    order = train.read_order(train.nproc_per_node)
+    order = train.read_order(train.world)
     trainer_slots = train.nproc_per_node if devices is not None else gpu_slots()  # what the train task holds
     with hold_gpus(devices, beside=trainer_slots), cuda_devices(devices), Pace(log, spool_bytes) as pace:
         try:
