@@ -37,6 +37,7 @@ BENCHES = {
     "verify_on_read": "benchmarks.speed.verify_on_read",
     "load": "benchmarks.drills.load",
     "online": "benchmarks.speed.online",
+    "extract_workers": "benchmarks.speed.extract_workers",
 }
 QUICK = {  # smaller settings for a smoke run of this script itself
     "prepare": ["--limit", "200"],
@@ -44,6 +45,7 @@ QUICK = {  # smaller settings for a smoke run of this script itself
     "train": ["--vocab", "8192", "--k", "3", "--pack", "512", "--steps", "1"],
     "heap": ["--only", "train", "--steps", "1", "--warmup", "1", "--repeats", "1"],
     "online": ["--limit", "100", "--spool-fraction", "0.1"],
+    "extract_workers": ["--limit", "40"],
 }
 
 
