@@ -62,10 +62,10 @@ def cli(*args: str, log: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def producer(root: Path, spool: Path, *extra: str, model: Path) -> subprocess.Popen:
+def producer(root: Path, spool: Path, *extra: str, model: Path, log: str = "produce") -> subprocess.Popen:
     return cli("produce", "--model", str(model), "--prepared", str(root / "prep"), "--out", str(spool),
                "--train-config", str(root / "train.json"), "--spool-bytes", str(SPOOL), "--wait-s", "120", *extra,
-               log=spool.with_suffix(".produce.log"))
+               log=spool.with_suffix(f".{log}.log"))
 
 
 def trainer(root: Path, hidden: Path, out: Path, *extra: str, online: bool = True) -> subprocess.Popen:
@@ -109,15 +109,17 @@ def same_run(a: Path, b: Path) -> None:
 
 
 class Watch:
-    """The spool's bytes on disk, sampled every few ms while the block runs: the most it ever held."""
+    """The spool's bytes on disk, sampled every few ms while the block runs: the most it ever held, and how many
+    windows were being written at once (the producers' reservations)."""
 
     def __init__(self, root: Path):
-        self.root, self.peak, self.samples, self._stop = root, 0, 0, threading.Event()
+        self.root, self.peak, self.samples, self.in_flight, self._stop = root, 0, 0, 0, threading.Event()
 
     def __enter__(self):
         def poll():
             while not self._stop.is_set():
                 self.peak = max(self.peak, sp.spool_dir_bytes(self.root))
+                self.in_flight = max(self.in_flight, len(list(self.root.glob("producer*.reserve"))))
                 self.samples += 1
                 time.sleep(0.002)
 
@@ -231,6 +233,40 @@ def test_kills_of_producer_and_trainer_resume_to_the_same_bytes(stages, tiny_lla
     same_run(out, stages / "ref")
     st = json.loads((spool / "manifest.json").read_text())["stats"]
     assert st["windows_written_again"] >= 1 and st["peak_spool_bytes"] <= SPOOL
+
+
+def test_two_producers_equal_one_bitwise_share_the_cap_and_resume_a_kill(stages, tiny_llama_dir):
+    """Two producers (--part 0/2 and 1/2, each its own engine) fill one spool: they write two windows at once while
+    the trainer reads a third, the spool sampled from outside never holds more than its cap, producer 1 SIGKILLed
+    mid-window and restarted resumes its own windows, and the head is the offline one (and so the one-producer
+    one: the test above) bitwise."""
+    spool, out = stages / "spool-2", stages / "online-2"
+    s = sp.Spool(spool)
+    with Watch(spool) as watch:
+        prods = [producer(stages, spool, *EXTRACT, "--part", f"{k}/2", model=tiny_llama_dir, log=f"produce-{k}")
+                 for k in range(2)]
+        tr = trainer(stages, spool, out)
+        _until(lambda: s.position()["window"] >= 2 and (spool / "producer-1.reserve").is_file(), [*prods, tr])
+        kill(prods[1])  # mid-window: its reservation and temp file stay behind
+        prods[1] = producer(stages, spool, *EXTRACT, "--part", "1/2", model=tiny_llama_dir, log="produce-1b")
+        wait(tr)
+        for p in prods:
+            wait(p)
+    same_run(out, stages / "ref")
+    p = json.loads((spool / sp.PLAN).read_text())
+    m = json.loads((spool / "manifest.json").read_text())
+    st = m["stats"]
+    assert p["producers"] == 2 and m["inputs"]["producers"] == 2 and m["num_windows"] >= 8
+    assert watch.samples > 100 and 0 < watch.peak <= SPOOL and st["peak_spool_bytes"] <= SPOOL
+    assert watch.in_flight == 2  # both producers wrote at once
+    # producer 0 wrote each of its windows (the val window, the even train windows) once; producer 1's share is
+    # its restarted run's: the windows it still owed
+    mine = [w for w in p["windows"] if w["split"] == "val" or w["index"] % 2 == 0]
+    first, second = st["producers"]
+    assert (first["windows_written"], first["windows_written_again"]) == (len(mine), 0)
+    assert 0 < second["windows_written"] < m["num_windows"] - len(mine)
+    assert st["windows_written"] == first["windows_written"] + second["windows_written"]
+    assert not list((spool / "shards").iterdir()) and not list(spool.glob("*.reserve"))
 
 
 def _plan(spool: Path) -> sp.Plan:
