@@ -35,6 +35,7 @@ from eagle3.registry import STAGES as LIBRARY
 from eagle3.runtime.heap import PeakRSS
 from eagle3.storage.manifests import (
     EvalReport,
+    HiddenRange,
     HiddenStates,
     PreparedData,
     RegeneratedData,
@@ -44,7 +45,16 @@ from eagle3.storage.manifests import (
 )
 from tasks._gpus import split_devices
 from tasks._online import OnlineSource, PartnerGone, pair_done, producer_inputs, reset_spool
-from tasks.extract import produce_task, publish_spool, spool_headline
+from tasks.extract import (
+    commit_task,
+    extract_range_task,
+    produce_task,
+    publish_range,
+    publish_spool,
+    range_headline,
+    range_label,
+    spool_headline,
+)
 from tasks.train import UserInputError
 
 
@@ -76,7 +86,9 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
     stage, log = STAGES[name], get_run_logger()
     suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
     t0 = time.monotonic()
-    if suffix and name in GPU_STAGES:
+    if name == "extract" and inputs["cfg"].workers > 1:
+        m, how, mem = run_ranges(out, wait_for, **inputs)
+    elif suffix and name in GPU_STAGES:
         deployment = f"eagle3-{name}/{name}-{suffix}"
         log.info("%s: started on deployment %s, output %s", name, deployment, out)
         hop_task(name)(name, deployment, as_params({**inputs, "out": out}), wait_for=wait_for)
@@ -93,15 +105,64 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
     return m
 
 
+def run_ranges(out: str, wait_for=None, **inputs) -> tuple[HiddenStates, str, str]:
+    """Extraction over cfg.workers: one task per range of the shard plan, submitted at once, each hopping to the
+    extract deployment when the GPU stages hop (its flow run goes to whichever GPU worker takes it), else run
+    here on its own devices; then the commit, here (it renames files on the storage both pools share). A failed
+    range is retried alone (it resumes); the commit waits for all. Returns (manifest, how, memory line)."""
+    from eagle3.extract.run import range_dir
+
+    log, cfg = get_run_logger(), inputs["cfg"]
+    n, suffix = cfg.workers, os.environ.get("EAGLE3_GPU_DEPLOYMENT")
+    labels = [range_label(k, n) for k in range(n)]
+    if suffix:
+        deployment = f"eagle3-extract/extract-{suffix}"
+        log.info("extract: %d ranges started on deployment %s, output %s", n, deployment, out)
+        futures = [hop_task("extract", label).submit(label, deployment, as_params({**inputs, "out": out, "part": k}),
+                                                     wait_for=wait_for) for k, label in enumerate(labels)]
+        mem = ""
+    else:
+        log.info("extract: %d ranges started, output %s", n, out)
+        engine = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+        devices = split_devices(*[engine] * n) or [None] * n
+        with PeakRSS() as peak:
+            futures = [fresh_range(out, k, n).submit(out=out, part=k, devices=d, wait_for=wait_for, **inputs)
+                       for k, d in enumerate(devices)]
+            for f in futures:
+                f.wait()
+        mem = f", {peak.line()}"
+    for f in futures:
+        f.wait()
+    failed = [(label, f.state) for label, f in zip(labels, futures, strict=True) if not f.state.is_completed()]
+    if failed:
+        log.error("extract: %s; the finished ranges are kept (%s)",
+                  ", ".join(f"{lb} ended {s.name}" for lb, s in failed),
+                  ", ".join(str(range_dir(out, k, n)) for k in range(n)))
+        failed[0][1].result()  # raises the range's own exception
+    cached = all(f.state.name == "Cached" for f in futures)
+    state = fresh(commit_task, HiddenStates, out)(out=out, return_state=True, **inputs)
+    how = "cached (inputs unchanged)" if cached and state.name == "Cached" else f"done over {n} workers"
+    return state.result(), how, mem
+
+
+def fresh_range(out: str, k: int, n: int):
+    """A cached range whose dir is gone (and whose store was never committed) must rerun."""
+    from eagle3.extract.run import range_dir
+    from eagle3.storage.manifests import HiddenRange
+
+    done = HiddenRange.exists(range_dir(out, k, n)) or HiddenStates.exists(out)
+    return extract_range_task if done else extract_range_task.with_options(refresh_cache=True)
+
+
 def as_params(inputs: dict[str, Any]) -> dict[str, Any]:
     """Deployment parameters are JSON: configs go as dicts, the stage flow validates them again."""
     return {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}
 
 
-def hop_task(name: str):
-    """The hop for stage `name`, with the stage task's own retry policy."""
+def hop_task(name: str, label: str | None = None):
+    """The hop for stage `name` (shown as `label`, default the name), with the stage task's own retry policy."""
     t = TABLE[name].task
-    return hop.with_options(name=name, retries=t.retries, retry_delay_seconds=t.retry_delay_seconds,
+    return hop.with_options(name=label or name, retries=t.retries, retry_delay_seconds=t.retry_delay_seconds,
                             retry_condition_fn=t.retry_condition_fn)
 
 
@@ -242,9 +303,21 @@ def prepare(model: str, out: str, cfg: PrepareConfig, trust_remote_code: bool = 
 
 @flow(name="eagle3-extract")
 def extract(model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
-            trust_remote_code: bool = False) -> HiddenStates:
-    """Stage 2 alone: store the target's hidden states of a prepared dir, reusing earlier extract dirs."""
-    return _done("extract", own("extract", out)(model, prepared, out, cfg, reuse, trust_remote_code), out)
+            trust_remote_code: bool = False, part: int | None = None) -> HiddenStates | HiddenRange:
+    """Stage 2 alone: store the target's hidden states of a prepared dir, reusing earlier extract dirs. `part`:
+    only that range of cfg.workers (a pipeline's extraction over several workers starts one flow run per range;
+    its commit runs in the pipeline)."""
+    if part is None:
+        if cfg.workers > 1:
+            return _done("extract", run_ranges(out, model=model, prepared=prepared, cfg=cfg, reuse=reuse,
+                                               trust_remote_code=trust_remote_code)[0], out)
+        return _done("extract", own("extract", out)(model, prepared, out, cfg, reuse, trust_remote_code), out)
+    hopped = FlowRunContext.get().flow_run.parent_task_run_id is not None
+    t = fresh_range(out, part, cfg.workers)
+    m = (t.with_options(retries=0) if hopped else t)(model, prepared, out, cfg, part, reuse, trust_remote_code)
+    publish_range(m, out)
+    get_run_logger().info("%s: %s", range_label(part, cfg.workers), range_headline(m))
+    return m
 
 
 @flow(name="eagle3-verifier")

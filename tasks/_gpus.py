@@ -12,6 +12,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 
 LIMIT = "gpus"
+LEASE_S = 60
 
 
 def visible_devices() -> list[str]:
@@ -110,7 +111,9 @@ def hold_gpus(devices: list[str] | None = None, beside: int = 0) -> Iterator[Non
         with _in_use(n, held=False, devices=shown):
             yield
         return
-    with concurrency(LIMIT, occupy=n, strict=True), _in_use(n, held=True, devices=shown):
+    # The slots are a lease the holder renews: a holder whose host died stops renewing, and its slots come back
+    # LEASE_S later instead of never.
+    with concurrency(LIMIT, occupy=n, strict=True, lease_duration=LEASE_S), _in_use(n, held=True, devices=shown):
         yield
 
 

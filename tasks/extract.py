@@ -1,4 +1,5 @@
-"""Prefect tasks for stage 2: extract (offline, into a store) and produce (online, into the trainer's spool)."""
+"""Prefect tasks for stage 2: extract (offline, into a store; with several workers, one task per range of the
+shard plan, then the commit) and produce (online, into the trainer's spool)."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +11,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 
 from eagle3.config import ExtractConfig, TrainConfig
 from eagle3.extract import run_extract
-from eagle3.storage.manifests import HiddenStates, SpooledStates
+from eagle3.storage.manifests import HiddenRange, HiddenStates, SpooledStates
 from tasks._cache import content_policy, stage_task
 from tasks._faults import fail_once
 from tasks._gpus import cuda_devices, gpu_slots, hold_gpus
@@ -40,14 +41,10 @@ def publish(m: HiddenStates, out: str) -> None:
                           description="eagle3 extract: tokens, tok/s, bytes, shards")
 
 
-@stage_task("extract", retries=2, delay=10)
-def extract_task(
-    model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
-    trust_remote_code: bool = False,
-) -> HiddenStates:
-    """Store the target's aux + final hidden states of the prepared samples (a retry resumes)."""
-    log = get_run_logger()
-    art = create_progress_artifact(0.0, description="eagle3 extract: share of tokens done")
+def _pace(log, what: str):
+    """The `progress(done, total)` callback of an extraction: a progress artifact (every 5 s), a log line a minute
+    with tok/s and an ETA, and the drill's injected failure halfway (when EAGLE3_FAIL_ONCE asks for one)."""
+    art = create_progress_artifact(0.0, description=f"eagle3 {what}: share of tokens done")
     last, logged, t0 = [0.0], [time.monotonic()], time.monotonic()
 
     def progress(done: int, total: int) -> None:
@@ -58,18 +55,92 @@ def extract_task(
         if total and done and (now - logged[0] > 60 or done == total):  # a log line a minute: tok/s, ETA
             logged[0] = now
             rate = done / max(now - t0, 1e-9)
-            log.info("extract: %d/%d tokens (%.0f%%), %.0f tok/s, ETA %.0f s", done, total, 100 * done / total,
+            log.info("%s: %d/%d tokens (%.0f%%), %.0f tok/s, ETA %.0f s", what, done, total, 100 * done / total,
                      rate, (total - done) / max(rate, 1e-9))
         if done >= total / 2:
             fail_once("extract")  # a drill, when EAGLE3_FAIL_ONCE asks for one
 
+    progress.artifact = art
+    return progress
+
+
+@stage_task("extract", retries=2, delay=10)
+def extract_task(
+    model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
+    trust_remote_code: bool = False,
+) -> HiddenStates:
+    """Store the target's aux + final hidden states of the prepared samples (a retry resumes)."""
+    log = get_run_logger()
+    progress = _pace(log, "extract")
     with hold_gpus():
         m = run_extract(model, prepared, out, cfg, reuse=reuse or [], progress=progress, show_progress=False,
                         trust_remote_code=trust_remote_code)
-    update_progress_artifact(art, 100.0)
+    update_progress_artifact(progress.artifact, 100.0)
     log.info("extract: %d samples, %d tokens in %d shards (%s resumed); %s tok/s; %.1f bytes/token",
              m.num_samples, m.num_tokens, len(m.shards), m.stats.get("shards_skipped"),
              m.stats.get("tokens_per_second"), m.stats.get("bytes_per_token", 0.0))
+    return m
+
+
+# ---------------------------------------------------------------- several workers: ranges, then the commit
+def range_label(part: int, parts: int) -> str:
+    """How a range shows in task and flow run names: 1-based, "extract 1/4"."""
+    return f"extract {part + 1}/{parts}"
+
+
+def _range_key(i: dict[str, Any]) -> dict[str, Any]:
+    from eagle3.extract.run import inputs, range_inputs
+
+    cfg = i["cfg"]
+    return {"format": HiddenRange.format_version,
+            **range_inputs(inputs(i["model"], i["prepared"], cfg, i.get("trust_remote_code", False)), i["part"],
+                           cfg.workers)}
+
+
+@task(name="extract-range", task_run_name="extract {part}", cache_policy=content_policy("extract-range", _range_key),
+      retries=2, retry_delay_seconds=10)
+def extract_range_task(model: str, prepared: str, out: str, cfg: ExtractConfig, part: int,
+                       reuse: list[str] | None = None, trust_remote_code: bool = False,
+                       devices: list[str] | None = None) -> HiddenRange:
+    """Range `part` of cfg.workers into out/ranges/ (a retry resumes it alone, keeping its committed shards).
+    `devices`: its engine's GPUs (CUDA_VISIBLE_DEVICES) where ranges share a host; None: what the process sees."""
+    from eagle3.extract.run import run_range
+
+    log, what = get_run_logger(), range_label(part, cfg.workers)
+    progress = _pace(log, what)
+    with hold_gpus(devices), cuda_devices(devices):
+        m = run_range(model, prepared, out, cfg, part, reuse=reuse or [], progress=progress, show_progress=False,
+                      trust_remote_code=trust_remote_code)
+    update_progress_artifact(progress.artifact, 100.0)
+    log.info("%s: %d shards, %d tokens (%s resumed); %s tok/s", what, len(m.shards), m.num_tokens,
+             m.stats.get("shards_skipped"), m.stats.get("tokens_per_second"))
+    return m
+
+
+def publish_range(m: HiddenRange, out: str) -> None:
+    """A range's artifact, made by the flow that ran it."""
+    create_table_artifact([{"what": "range", "value": range_label(m.part, m.parts)},
+                           {"what": "shards", "value": len(m.shards)}, {"what": "tokens", "value": m.num_tokens},
+                           {"what": "tokens computed this run", "value": m.stats.get("tokens_computed")},
+                           {"what": "tok/s", "value": m.stats.get("tokens_per_second")},
+                           {"what": "shards resumed (already committed)", "value": m.stats.get("shards_skipped")}],
+                          key="extract-range-stats", description="eagle3 extract, one range: shards, tokens, tok/s")
+
+
+def range_headline(m: HiddenRange) -> str:
+    return (f"{len(m.shards)} shards, {m.num_tokens:,} tokens ({m.stats.get('tokens_computed', 0) or 0:,} computed "
+            f"at {m.stats.get('tokens_per_second')} tok/s)")
+
+
+@stage_task("extract", retries=2, delay=10)
+def commit_task(model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
+                trust_remote_code: bool = False) -> HiddenStates:
+    """The finished ranges' shards moved into one store (the extract stage's output; no GPU, no copy)."""
+    from eagle3.extract.run import commit_ranges
+
+    m = commit_ranges(model, prepared, out, cfg, trust_remote_code=trust_remote_code)
+    get_run_logger().info("extract: %d ranges committed: %d samples, %d tokens in %d shards", cfg.workers,
+                          m.num_samples, m.num_tokens, len(m.shards))
     return m
 
 

@@ -63,16 +63,18 @@ class Service:
                 get_client(sync_client=True) as c:
             yield c
 
-    def setup(self, gpus: int) -> None:
-        """deployments/setup.py: pools `cpu` and `gpu`, the `gpus` limit of `gpus` slots."""
-        r = subprocess.run([sys.executable, "deployments/setup.py", "--gpus", str(gpus)], cwd=REPO, env=self.env,
+    def setup(self, gpus: int, silent_s: int = 90) -> None:
+        """deployments/setup.py: pools `cpu` and `gpu`, the `gpus` limit of `gpus` slots, silent runs Crashed."""
+        r = subprocess.run([sys.executable, "deployments/setup.py", "--gpus", str(gpus), "--silent-s", str(silent_s)],
+                           cwd=REPO, env=self.env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
 
 
 @contextlib.contextmanager
 def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | None = None,
-            while_booting: Callable[[], object] | None = None, gpu_workers: int = 1) -> Iterator[Service]:
+            while_booting: Callable[[], object] | None = None, gpu_workers: int = 1,
+            silent_s: int = 90) -> Iterator[Service]:
     """The whole service on a free loopback port, stopped (every process group) on exit. `gpu_workers`: process
     workers on the gpu pool (eagle3-gpu, eagle3-gpu-2, ...: GPU hosts), each in its own process group,
     `Service.workers` by name (a test may kill one)."""
@@ -103,12 +105,13 @@ def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | N
             assert time.time() < deadline, "prefect server did not come up in 120 s"
             time.sleep(0.5)
         s = Service(url, auth, home, env, {"server": time.time() - t0})
-        s.setup(gpus)
+        s.setup(gpus, silent_s)
         # Deploy (it imports every flow) while the workers boot.
         deploy = start([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
                         "deployments/prefect.yaml"], env, home / "deploy.log", cwd=REPO)
         procs.append(deploy)
-        names = [("cpu", "eagle3-cpu")] + [("gpu", "eagle3-gpu" + (f"-{k + 1}" if k else "")) for k in range(gpu_workers)]
+        names = [("cpu", "eagle3-cpu")] + [("gpu", "eagle3-gpu" + (f"-{k + 1}" if k else ""))
+                                           for k in range(gpu_workers)]
         for pool, name in names:
             w = start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", name],
                       {**env, **(worker_env or {}).get(pool, {})}, home / f"worker-{name}.log", cwd=REPO)

@@ -2,8 +2,10 @@
 process workers on the `cpu` and `gpu` pools, runs triggered through the API.
 
 One test, in order (each run builds on the last):
-  A. eagle3-pipeline, as deployed: the GPU stages hop to the gpu pool; extraction fails once
-     midway (EAGLE3_FAIL_ONCE on the gpu worker), the hop task retries it as a new flow run, which resumes;
+  A. eagle3-pipeline, as deployed, extraction over two workers: the GPU stages hop to the gpu pool, where two
+     process workers (two GPU hosts) take one range each; one worker is SIGKILLed with its flow run mid-range
+     (its host dies), the server's automation marks the silent run Crashed, the hop retries it as a new flow
+     run on the live worker, which resumes the range; the commit makes one store (equal to one worker's: D);
   B. the same parameters again: every stage is served from the cache;
   C. eagle3-nightly seeded with run A, one conversation added: only that sample is extracted,
      training warm-starts from A's draft with A's vocab map, and the promotion decision is an artifact.
@@ -49,14 +51,12 @@ from prefect_service import (
 def service(request, tmp_path_factory):
     """The service (tests/prefect_service.py) with basic auth on: every client below holds the credentials,
     as docs/service.md's multi-host set-up does. Two gpu workers: two 8-GPU hosts, so the `gpus` limit is 16.
-    The gpu workers fail extraction once (EAGLE3_FAIL_ONCE)."""
+    A flow run silent for 60 s (twice its heartbeat) is marked Crashed."""
     home = tmp_path_factory.mktemp("prefect-service")
-    marker = home / "extract-failed-once"
-    with ps.service(home, gpus=16, worker_env={"gpu": {"EAGLE3_FAIL_ONCE": f"extract:{marker}"}},
-                    while_booting=lambda: request.getfixturevalue("tiny_llama_dir"), gpu_workers=2) as s:
+    with ps.service(home, gpus=16, while_booting=lambda: request.getfixturevalue("tiny_llama_dir"), gpu_workers=2,
+                    silent_s=60) as s:
         print(f"\nserver up in {s.seconds['server']:.1f} s; pools, limit, workers and deployments in "
               f"{s.seconds['ready']:.1f} s")
-        s.marker = marker
         yield s
 
 
@@ -110,6 +110,51 @@ def artifacts(client, run) -> dict:
     return {a.key: a for a in arts if a.key}
 
 
+def range_hops(client, run) -> list:
+    """The hop tasks of run A's extraction ranges ("extract 1/2", ...)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    trs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    return [t for t in trs if t.name.startswith("extract ") and "/" in t.name]
+
+
+class KillMidRange:
+    """From a thread: once an extraction range has committed a shard, SIGKILL the gpu worker whose flow run holds
+    that range's lock, with every process it started, as a host that dies does. `part`: the range killed."""
+
+    def __init__(self, service, out: Path, timeout: float = 300):
+        import threading
+
+        self.service, self.out, self.timeout = service, out, timeout
+        self.killed, self.part, self.error = "", -1, ""
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _holder(self, rdir: Path) -> int | None:
+        lock = rdir / ".eagle3.lock"
+        try:
+            return json.loads(lock.read_text())["pid"] if any((rdir / "shards").glob("*.safetensors")) else None
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def _watch(self) -> None:
+        import psutil
+
+        deadline = time.time() + self.timeout
+        while time.time() < deadline:
+            for rdir in sorted((self.out / "ranges").glob("*-of-*")):
+                if (pid := self._holder(rdir)) is None or (rdir / "manifest.json").exists():
+                    continue
+                for name, w in self.service.workers.items():
+                    tree = [psutil.Process(w.pid), *psutil.Process(w.pid).children(recursive=True)]
+                    if name.startswith("eagle3-gpu") and pid in {p.pid for p in tree}:
+                        for p in tree:
+                            p.kill()
+                        self.killed, self.part = name, int(rdir.name.split("-")[0])
+                        return
+            time.sleep(0.005)
+        self.error = f"no range of {self.out} was seen mid-way in {self.timeout} s"
+
+
 def gpu_slot_events(client, phase: str, expect: int, timeout: float = 30) -> dict[str, int]:
     """Slots taken (or given back) per acquisition of the `gpus` limit, from the server's event log."""
     from collections import Counter
@@ -158,30 +203,38 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
         gpu = client.read_deployment_by_name(f"eagle3-{stage}/{stage}-gpu")
         assert gpu.work_pool_name == "gpu" and gpu.job_variables["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
 
-    # A: as deployed. GPU stages hop to the gpu pool; extraction fails once midway and is retried.
-    params = {"config": cfg.model_dump(mode="json")}
+    # A: as deployed, two extraction workers. One gpu worker dies mid-range; its range is retried and resumes.
+    two = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"workers": 2})})
+    params = {"config": two.model_dump(mode="json")}
+    killer = KillMidRange(service, cfg.stage_dir("extract"))
     run_a = trigger(client, "eagle3-pipeline/eagle3-pipeline", params)
     assert run_a.state.is_completed(), logs(client, run_a)[-4000:]
     assert run_a.work_pool_name == "cpu"
-    # Each hop is a task of run A named after its stage, its flow run named after stage and run;
-    # the failed extraction was retried by a second flow run, which resumed.
+    assert killer.killed, f"no worker was killed mid-range: {killer.error}"
+    # Each hop is a task of run A named after its stage (and range), its flow run after stage and run; the
+    # range whose worker died was marked Crashed by the server and retried by a second flow run, which resumed.
     children = {c.name: c for c in subflows(client, run_a)}
-    first, second = f"extract · {run_a.name}", f"extract · {run_a.name} (try 2)"
+    k = killer.part
+    dead, again = f"extract {k + 1}/2 · {run_a.name}", f"extract {k + 1}/2 · {run_a.name} (try 2)"
+    alive = f"extract {2 - k}/2 · {run_a.name}"
     assert {n: c.state.name for n, c in children.items()} == {
-        first: "Failed", second: "Completed", f"train · {run_a.name}": "Completed", f"eval · {run_a.name}": "Completed"}
+        dead: "Crashed", again: "Completed", alive: "Completed", f"train · {run_a.name}": "Completed",
+        f"eval · {run_a.name}": "Completed"}
+    assert "no heartbeat for 60 s" in children[dead].state.message
     assert {c.work_pool_name for c in children.values()} == {"gpu"}
+    assert children[again].infrastructure_pid != children[dead].infrastructure_pid
     runs_a = task_runs(client, run_a)
     assert sorted(runs_a) == sorted(STAGES) and {t.state.name for t in runs_a.values()} == {"Completed"}
-    assert runs_a["extract"].run_count == 2, "the injected failure must show as one retry"
-    assert {s: runs_a[s].run_count for s in STAGES if s != "extract"} == dict.fromkeys(["prepare", "verifier",
-                                                                                       "train", "eval"], 1)
-    assert service.marker.is_file()
+    assert {s: runs_a[s].run_count for s in STAGES} == dict.fromkeys(STAGES, 1)  # the commit ran once
+    hops = {t.name: t.run_count for t in range_hops(client, run_a)}
+    assert hops == {f"extract {k + 1}/2": 2, f"extract {2 - k}/2": 1}, "the killed range alone was retried"
     hidden = HiddenStates.read(cfg.stage_dir("extract"))
-    # The retry resumed: shards committed before the failure were kept, only the rest computed.
-    assert len(hidden.shards) >= 6 and 1 <= hidden.stats["shards_skipped"] < len(hidden.shards)
-    assert hidden.stats["shards_written"] == len(hidden.shards) - hidden.stats["shards_skipped"]
+    # The retry resumed: the shards the killed range committed were kept, only the rest computed.
+    assert len(hidden.shards) >= 6 and hidden.stats["workers"] == 2
+    killed = hidden.stats["ranges"][k]
+    assert 1 <= killed["shards_skipped"] < killed["shards"] and hidden.stats["ranges"][1 - k]["shards_skipped"] == 0
     assert hidden.stats["tokens_computed"] < hidden.num_tokens
-    assert "injected transient failure" in logs(client, children[first])
+    assert not (cfg.stage_dir("extract") / "ranges").exists()
 
     # A's artifacts, read back through the API: the run summary (in the flow) and the stages' own.
     arts = artifacts(client, run_a)
@@ -193,9 +246,9 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     assert f"**tau = {report.acceptance_length:.3f}**" in arts["eagle3-run-summary"].data
     assert f"| shards resumed (already committed) | {hidden.stats['shards_skipped']} |" in \
         arts["eagle3-run-summary"].data
-    extract_arts = artifacts(client, children[second])
-    stats = {r["what"]: r["value"] for r in json.loads(extract_arts["extract-stats"].data)}
-    assert stats["shards resumed (already committed)"] == hidden.stats["shards_skipped"]
+    range_arts = artifacts(client, children[again])
+    stats = {r["what"]: r["value"] for r in json.loads(range_arts["extract-range-stats"].data)}
+    assert stats["shards resumed (already committed)"] == killed["shards_skipped"]
     assert "eval-results" in artifacts(client, children[f"eval · {run_a.name}"])
     assert {"extract-stats", "train-summary", "eval-report"} <= set(arts)  # every stage's artifacts on run A too
     t_a = time.time() - t0
@@ -241,10 +294,15 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
         assert json.loads((root / "promoted.json").read_text())["tau"] == new_tau
     t_c = time.time() - t0 - t_a - t_b
 
-    # The `gpus` limit: held by extraction (both attempts), training and eval, all 8 slots on the gpu pool
-    # (its 8 visible devices), 1 slot where the stages ran on the cpu pool; every slot given back.
-    assert gpu_slot_events(client, "acquired", 7) == gpu_slot_events(client, "released", 7) == {"8": 4, "1": 3}
-    assert client.read_global_concurrency_limit_by_name("gpus").active_slots == 0
+    # The `gpus` limit: held by the extraction ranges (the killed one's two attempts), training and eval, all 8
+    # slots on the gpu pool (its 8 visible devices), 1 slot where the stages ran on the cpu pool; every slot
+    # given back, the dead holder's when its lease ran out.
+    assert gpu_slot_events(client, "acquired", 8) == {"8": 5, "1": 3}
+    assert gpu_slot_events(client, "released", 7) == {"8": 4, "1": 3}
+    deadline = time.time() + 150
+    while client.read_global_concurrency_limit_by_name("gpus").active_slots:
+        assert time.time() < deadline, "the dead worker's slots were never given back"
+        time.sleep(2)
     t_d = load_drill(service, client, cfg, night_params, night_dir)
     print(f"\nrun A (hop + retry) {t_a:.1f} s, run B (cached) {t_b:.1f} s, nightly {t_c:.1f} s, load drill {t_d:.1f} s")
 
@@ -257,7 +315,6 @@ def test_deployed_run_with_the_vllm_backend_on_the_gpu_pool(service, client, fam
     from eagle3.storage.manifests import EvalReport, HiddenStates
 
     service.setup(16)  # the load drill above left the `gpus` limit at 1; two 8-GPU hosts take 16
-    service.marker.touch()  # the gpu worker's injected extraction failure is spent (run A retries it)
     data, prompts = tiny_inputs(tmp_path)
     eager = {"enforce_eager": True}  # tests/engine.py: an engine starts in ~45 s instead of ~150 s
     cfg = PipelineConfig(

@@ -60,3 +60,32 @@ def test_retry_resumes_and_cache_keys_on_content(tiny_llama_dir, tmp_path, monke
     monkeypatch.setattr(er, "make_backend", real)
     st3 = f(str(tmp_path / "out2"), cfg.model_copy(update={"aux_layer_ids": [0, 2, 4]}))
     assert st3.name == "Completed" and st3.result().layer_ids == [0, 2, 4, 6]
+
+
+def test_ranges_on_two_workers_retry_alone_and_commit_the_one_worker_store(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                          prefect_env):
+    """The extract flow with `workers: 2`, in this process: two range tasks at once, then the commit. The range
+    that dies (on its second shard) is retried alone and keeps its first shard; the store equals one worker's."""
+    import eagle3.extract.run as er
+    from flows.stages import extract
+    from tasks.extract import extract_range_task
+
+    rows = random_samples(1000, [100] * 6, seed=9)
+    prep = tmp_path / "prep"
+    write_prepared(prep, {"train": rows})
+    cfg = ExtractConfig(aux_layer_ids=[1, 2, 3], shard_bytes=1 << 16)
+    ref = run_extract(tiny_llama_dir, prep, tmp_path / "ref", cfg, show_progress=False)
+    _FlakyOnce.calls, _FlakyOnce.failed = 0, False
+    real = er.make_backend
+    monkeypatch.setattr(er, "make_backend", lambda *a, **k: _FlakyOnce(real(*a, **k)))
+    monkeypatch.setattr(extract_range_task, "retry_delay_seconds", [0, 0])
+    two = cfg.model_copy(update={"workers": 2})
+    m = extract(str(tiny_llama_dir), str(prep), str(tmp_path / "out"), two)
+    assert _FlakyOnce.failed
+    assert [(s.file, s.sha256) for s in m.shards] == [(s.file, s.sha256) for s in ref.shards]
+    assert m.fingerprint == ref.fingerprint and not (tmp_path / "out" / er.RANGES).exists()
+    assert sorted(r["shards_skipped"] for r in m.stats["ranges"]) == [0, 1]  # the retried range resumed
+    assert [r["shards"] for r in m.stats["ranges"]] == [3, 3]
+    # Again: the ranges and the commit come from the cache (no backend is built).
+    monkeypatch.setattr(er, "make_backend", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
+    assert extract(str(tiny_llama_dir), str(prep), str(tmp_path / "out"), two).fingerprint == ref.fingerprint

@@ -2,6 +2,8 @@
 online, into the bounded spool a trainer reads as it is filled (`eagle3 produce`).
 
     run_extract(model, prepared, out, cfg)  -> HiddenStates manifest
+    run_range(model, prepared, out, cfg, k) -> HiddenRange   (range k of cfg.workers, on its own worker)
+    commit_ranges(model, prepared, out, cfg) -> HiddenStates (the ranges' shards moved into one store)
     produce(model, prepared, spool, cfg, order, spool_bytes)  -> SpooledStates manifest
 
 The store's format and its reader (`eagle3.storage.store.open_store`) live below the stages: training reads it.
@@ -11,18 +13,26 @@ from __future__ import annotations
 import json
 
 from eagle3.config import ExtractConfig
-from eagle3.flags import MODEL, OUT, PREPARED, REUSE, TRUST
+from eagle3.flags import MODEL, OUT, PREPARED, REUSE, TRUST, UserError
 from eagle3.stage import Command, Stage, lazy_exports
-from eagle3.storage.manifests import HiddenStates
+from eagle3.storage.manifests import HiddenRange, HiddenStates
 
 __getattr__ = lazy_exports("eagle3.extract.run")  # run_extract, inputs
 
 
 def _run(out, cfg: ExtractConfig, *, model, prepared, reuse=(), trust_remote_code: bool = False,
-        progress=None) -> HiddenStates:
-    """A progress callback (tokens done, total) replaces the console's bar."""
-    from eagle3.extract.run import run_extract
+         part: int | None = None, commit: bool = False, progress=None) -> HiddenStates | HiddenRange:
+    """A progress callback (tokens done, total) replaces the console's bar. `part`: only that range of cfg.workers
+    (HiddenRange); `commit`: only the commit of the finished ranges."""
+    from eagle3.extract.run import commit_ranges, run_extract, run_range
 
+    if part is not None and commit:
+        raise UserError("extract: --part runs one range and --commit commits them all; give one of the two")
+    if part is not None:
+        return run_range(model, prepared, out, cfg, part, reuse=list(reuse or []), progress=progress,
+                         show_progress=progress is None, trust_remote_code=trust_remote_code)
+    if commit:
+        return commit_ranges(model, prepared, out, cfg, trust_remote_code=trust_remote_code)
     return run_extract(model, prepared, out, cfg, reuse=list(reuse or []), progress=progress,
                        show_progress=progress is None, trust_remote_code=trust_remote_code)
 
@@ -33,7 +43,9 @@ def _inputs(cfg: ExtractConfig, *, model, prepared, trust_remote_code: bool = Fa
     return inputs(model, prepared, cfg, trust_remote_code)
 
 
-def summary(m: HiddenStates) -> dict:
+def summary(m: HiddenStates | HiddenRange) -> dict:
+    if isinstance(m, HiddenRange):
+        return {"range": f"{m.part} of {m.parts}", "shards": len(m.shards), "num_tokens": m.num_tokens, **m.stats}
     return {"layer_ids": m.layer_ids, "storage": m.storage, "num_samples": m.num_samples, "num_tokens": m.num_tokens,
             "shards": len(m.shards), **m.stats}
 
@@ -46,9 +58,13 @@ def headline(m: HiddenStates) -> str:
 
 STAGE = Stage(
     name="extract", help="stage 2: store the target's aux + final hidden states of prepared samples",
-    config=ExtractConfig, manifest=HiddenStates, locked=True, gpu=True,
+    config=ExtractConfig, manifest=HiddenStates, gpu=True,  # locked in the library: a range locks its own dir
     aliases={"aux_layer_ids": "--aux-layers", "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp"},
-    flags=(MODEL, PREPARED, OUT, TRUST, REUSE),
+    flags=(MODEL, PREPARED, OUT, TRUST, REUSE,
+           ("--part", dict(type=int, default=None, help="several workers: extract only range K (0 to --workers - 1) of "
+                           "the shard plan, into OUT/ranges/ (run one per host, at once; OUT on storage they share)")),
+           ("--commit", dict(action="store_true", help="several workers: once every range is finished, move their "
+                             "shards into one store in OUT (index + manifest)"))),
     run=_run, inputs=_inputs, summary=summary, headline=headline,
 )
 

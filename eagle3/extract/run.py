@@ -6,6 +6,15 @@ metadata, so a rerun skips every committed shard whose key matches and recompute
 Each shard is computed from its own samples only (its batches never depend on what was done
 before), so a resumed run writes the same bytes as an uninterrupted one.
 
+Several workers (`cfg.workers = N`): the shard plan is cut into N contiguous ranges of about equal
+tokens (`split_plans`). Range k is extracted into its own dir, `out/ranges/{k:03d}-of-{N:03d}/`, with
+its own engine, lock, temp files and manifest (`HiddenRange`), so ranges run at once on different
+hosts and a killed one resumes alone. `commit_ranges` then moves (renames: every host writes to the
+same shared filesystem, so nothing is copied) each range's shards into `out/shards/` and writes the
+one index and manifest. A shard's bytes depend on its own samples only, so the committed store is
+bitwise the one a single worker writes; the manifest's inputs are the same too (the number of workers
+changes speed, not bytes).
+
 Incremental runs: samples an earlier extract dir (`reuse=`) already holds -- same sample_id (a
 content hash of ids + mask), same model fingerprint, layer ids and storage -- are copied from it
 as stored, so a dataset that grew by 5% costs about 5% of a full extraction.
@@ -13,6 +22,8 @@ as stored, so a dataset that grew by 5% costs about 5% of a full extraction.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +38,8 @@ from eagle3.model.target import Target
 from eagle3.runtime.heap import retain_freed_memory
 from eagle3.storage.atomic import atomic_path, clean_temp_files
 from eagle3.storage.hashing import sha256_file, sha256_file_cached
-from eagle3.storage.manifests import HiddenShardInfo, HiddenStates, PreparedData
+from eagle3.storage.lock import RunLock
+from eagle3.storage.manifests import HiddenRange, HiddenShardInfo, HiddenStates, PreparedData
 from eagle3.storage.store import (
     FORMAT_VERSION,
     INDEX_FILE,
@@ -190,11 +202,29 @@ def run_extract(
 
     Idempotent and resumable: a finished `out` with the same inputs is returned as is; a partial
     one keeps its committed shards. `backend` overrides the one `cfg.backend` would build.
+    With cfg.workers > 1 the ranges run here one after another (each resumable alone), then are
+    committed: the store a pipeline gets by running the ranges on several workers at once.
     """
     cfg = cfg or ExtractConfig()
+    if cfg.workers > 1:
+        with RunLock(out):  # the whole store is this process's: no other run may commit it meanwhile
+            fp = inputs(model, prepared, cfg, trust_remote_code)
+            if (prev := previous_run(Path(out), fp)).done is not None:
+                return prev.done
+            for k in range(cfg.workers):
+                run_range(model, prepared, out, cfg, k, reuse=reuse, progress=progress, show_progress=show_progress,
+                          backend=backend, trust_remote_code=trust_remote_code)
+            return _commit(Path(model), Path(prepared), Path(out), cfg, trust_remote_code)
+    with RunLock(out):
+        return _extract_whole(Path(model), Path(prepared), Path(out), cfg, reuse, progress, show_progress, backend,
+                              trust_remote_code)
+
+
+def _extract_whole(model: Path, prepared: Path, out: Path, cfg: ExtractConfig, reuse: Sequence[str | Path],
+                   progress: Progress | None, show_progress: bool, backend: Backend | None,
+                   trust_remote_code: bool) -> HiddenStates:
+    """One worker: every shard of the plan, straight into `out`, then the index and the manifest."""
     retain_freed_memory()  # batch after batch of the same large buffers: reuse them in place
-    model, prepared, out = Path(model), Path(prepared), Path(out)
-    prep = PreparedData.read(prepared)
     target = Target.open(model, trust_remote_code)
     fp = inputs(model, prepared, cfg, trust_remote_code)
     prev = previous_run(out, fp)
@@ -202,12 +232,27 @@ def run_extract(
         return prev.done
     open_out(out)
 
-    samples = load_samples(prepared, prep, cfg.splits)
+    samples = _samples(prepared, cfg, target)
+    run = plan_run(out, cfg, target, samples, prev, reuse, backend)
+    tokens, seconds = _fill(run, cfg, progress, show_progress)
+    drop_stale_shards(out, run.plans)
+    index_sha = _write_index(out, run.plans)
+    man = run.manifest(fp, model, index_sha, tokens.done, seconds)
+    man.write(out)
+    return man
+
+
+def _samples(prepared: Path, cfg: ExtractConfig, target: Target) -> Samples:
+    samples = load_samples(prepared, PreparedData.read(prepared), cfg.splits)
     if cfg.backend == "vllm":
         check_engine_length(samples, target.max_position_embeddings)
-    run = plan_run(out, cfg, target, samples, prev, reuse, backend)
-    disk_preflight(out, run.todo_shards(), run.n_aux, run.hidden, cfg.storage)
+    return samples
 
+
+def _fill(run: "ExtractRun", cfg: ExtractConfig, progress: Progress | None,
+          show_progress: bool) -> tuple["TokenProgress", float]:
+    """Write every shard of `run` not committed yet (after checking the disk can hold them); close the backend."""
+    disk_preflight(run.out, run.todo_shards(), run.n_aux, run.hidden, cfg.storage)
     tokens = TokenProgress(run.todo_tokens(), progress, show_progress)
     t0 = time.perf_counter()
     try:
@@ -218,13 +263,175 @@ def run_extract(
         close = getattr(run.backend, "close", None)
         if close is not None:
             close()
-    seconds = time.perf_counter() - t0
+    return tokens, time.perf_counter() - t0
 
+
+# ---------------------------------------------------------------- several workers: ranges, then one commit
+RANGES = "ranges"
+
+
+def range_dir(out: str | Path, k: int, n: int) -> Path:
+    """Where range k of n is extracted before the commit moves its shards into `out/shards/`."""
+    return Path(out) / RANGES / f"{k:03d}-of-{n:03d}"
+
+
+def split_plans(plans: Sequence[ShardPlan], n: int) -> list[list[ShardPlan]]:
+    """The shard plan cut into n contiguous ranges of about equal tokens: a shard goes to the range its middle
+    token falls in (integer arithmetic, so every host cuts the same ranges). A range may be empty when there
+    are fewer shards than ranges."""
+    total = sum(p.num_tokens for p in plans)
+    out: list[list[ShardPlan]] = [[] for _ in range(n)]
+    before = 0
+    for p in plans:
+        out[min(n - 1, (2 * before + p.num_tokens) * n // (2 * max(total, 1)))].append(p)
+        before += p.num_tokens
+    return out
+
+
+def range_inputs(fp: dict[str, Any], k: int, n: int) -> dict[str, Any]:
+    """What range k of n holds: the store's inputs and which range of its plan."""
+    return {**fp, "range": [k, n]}
+
+
+def run_range(
+    model: str | Path,
+    prepared: str | Path,
+    out: str | Path,
+    cfg: ExtractConfig,
+    k: int,
+    *,
+    reuse: Sequence[str | Path] = (),
+    progress: Progress | None = None,
+    show_progress: bool = True,
+    backend: Backend | None = None,
+    trust_remote_code: bool = False,
+) -> HiddenRange:
+    """Extract range k of cfg.workers into `range_dir(out, k, n)`; return its manifest. One process per range
+    (its own lock): ranges run at once on several workers, a killed one resumes alone, keeping its committed
+    shards. A range already committed into `out` (or a finished `out`) is returned as is."""
+    n = cfg.workers
+    if not 0 <= k < n:
+        raise ValueError(f"extract range {k} does not exist: workers {n} makes ranges 0 to {n - 1}")
+    retain_freed_memory()
+    model, prepared, out = Path(model), Path(prepared), Path(out)
+    rdir = range_dir(out, k, n)
+    with RunLock(rdir):
+        target = Target.open(model, trust_remote_code)
+        fp = inputs(model, prepared, cfg, trust_remote_code)
+        want = range_inputs(fp, k, n)
+        if (done := _range_done(out, rdir, want)) is not None:
+            return done
+        open_out(rdir)
+        samples = _samples(prepared, cfg, target)
+        prev = Previous()
+        run = plan_run(rdir, cfg, target, samples, prev, reuse, backend, part=(k, n))
+        tokens, seconds = _fill(run, cfg, progress, show_progress)
+        drop_stale_shards(rdir, run.plans)
+        part = run.manifest(fp, model, "", tokens.done, seconds)  # its shards and stats; never written as such
+        m = HiddenRange(config=cfg.model_dump(mode="json"), inputs=want, part=k, parts=n, shards=part.shards,
+                        num_tokens=part.num_tokens, stats={**part.stats, "backend": part.backend})
+        m.write(rdir)
+        return m
+
+
+def _range_done(out: Path, rdir: Path, want: dict[str, Any]) -> HiddenRange | None:
+    """Range `want` as finished before: its manifest, every shard sound in its dir or already moved into `out`
+    by a commit; or, when `out` holds the finished store, the range's part of it. None: (re)run it."""
+    k, n = want["range"]
+    fp = {key: v for key, v in want.items() if key != "range"}
+    if HiddenStates.exists(out) and (whole := HiddenStates.read(out)).inputs == fp:
+        by_file = {s.file: s for s in whole.shards}
+        mine = [s for s in _range_files(whole, k, n) if s in by_file]
+        shards = [by_file[f] for f in mine]
+        return HiddenRange(config=whole.config, inputs=want, part=k, parts=n, shards=shards,
+                           num_tokens=sum(s.num_tokens for s in shards),
+                           stats={"shards_skipped": len(shards), "tokens_computed": 0}).seal()
+    if not HiddenRange.exists(rdir) or (m := HiddenRange.read(rdir)).inputs != want:
+        return None
+    for s in m.shards:
+        here = rdir / s.file
+        if shard_problem(here if here.exists() else out / s.file) is not None:
+            return None
+    return m
+
+
+def _range_files(whole: HiddenStates, k: int, n: int) -> list[str]:
+    """The shard files of range k of n of a finished store, cut as `split_plans` cuts its plan."""
+    plans = [ShardPlan(s.split, 0, [], [], [s.num_tokens]) for s in whole.shards]
+    names = {id(p): s.file for p, s in zip(plans, whole.shards, strict=True)}
+    return [names[id(p)] for p in split_plans(plans, n)[k]]
+
+
+def commit_ranges(model: str | Path, prepared: str | Path, out: str | Path, cfg: ExtractConfig, *,
+                  trust_remote_code: bool = False) -> HiddenStates:
+    """One store from the cfg.workers finished ranges: each range's shards renamed into `out/shards/` (the ranges
+    are on the filesystem `out` is on: a rename, never a copy), then the index and the manifest. Killed midway, a
+    rerun moves what is left (a shard already in place is kept). A range not finished is an error naming it."""
+    with RunLock(out):
+        return _commit(Path(model), Path(prepared), Path(out), cfg, trust_remote_code)
+
+
+def _commit(model: Path, prepared: Path, out: Path, cfg: ExtractConfig, trust_remote_code: bool) -> HiddenStates:
+    n = cfg.workers
+    target = Target.open(model, trust_remote_code)
+    fp = inputs(model, prepared, cfg, trust_remote_code)
+    prev = previous_run(out, fp)
+    if prev.done is not None:
+        return prev.done
+    ranges: list[HiddenRange] = []
+    for k in range(n):
+        rdir = range_dir(out, k, n)
+        if not HiddenRange.exists(rdir) or HiddenRange.read(rdir).inputs != range_inputs(fp, k, n):
+            raise ValueError(f"{rdir}: extract range {k} of {n} is not finished for these inputs; run it first "
+                             f"(`eagle3 extract ... --workers {n} --part {k}`)")
+        ranges.append(HiddenRange.read(rdir))
+    open_out(out)
+    known: dict[str, str] = {}
+    for r in ranges:
+        rdir = range_dir(out, r.part, n)
+        for s in r.shards:
+            src, dst = rdir / s.file, out / s.file
+            if src.exists():
+                os.replace(src, dst)  # same filesystem: a rename, so the shard's host stamp (sha256) moves too
+            # The range's writer hashed the shard; after a rename only its size and header are checked here (a
+            # reader checks every shard's sha256 against the manifest before trusting its bytes).
+            if (bad := shard_problem(dst)) is not None:
+                raise ValueError(f"{bad}; rerun extract range {r.part} of {n}: it rebuilds only this shard")
+            known[s.file] = s.sha256
+    samples = _samples(prepared, cfg, target)
+    # checked: every shard as sound (just checked above), so that nothing is hashed again here
+    run = plan_run(out, cfg, target, samples, Previous(known=known, checked=dict.fromkeys(known)), (), None)
+    missing = [p.file for p in run.plans if p.file not in known]
+    if missing:  # the ranges cut another plan (cannot happen for the same inputs): say so rather than guess
+        raise ValueError(f"{out}: the ranges hold no shard {missing[:3]} of the plan; rerun every range")
+    run.shard_sha = dict(known)
     drop_stale_shards(out, run.plans)
     index_sha = _write_index(out, run.plans)
-    man = run.manifest(fp, model, index_sha, tokens.done, seconds)
+    tokens = sum(r.stats.get("tokens_computed", 0) for r in ranges)
+    man = run.manifest(fp, model, index_sha, tokens, max(r.stats.get("seconds", 0.0) for r in ranges))
+    man.backend = next((r.stats["backend"] for r in ranges if r.stats.get("backend")), man.backend)
+    man.stats.update(ranges_stats(ranges))
     man.write(out)
+    shutil.rmtree(out / RANGES, ignore_errors=True)
     return man
+
+
+def ranges_stats(ranges: Sequence[HiddenRange]) -> dict[str, Any]:
+    """The committed store's run statistics over its ranges: totals, the slowest range's wall time, the
+    ranges' tok/s added up (their rate while all run at once), and each range's own figures."""
+    rates = [r.stats.get("tokens_per_second") or 0.0 for r in ranges]
+    return {
+        "workers": len(ranges),
+        "samples_computed": sum(r.stats.get("samples_computed", 0) for r in ranges),
+        "samples_reused": sum(r.stats.get("samples_reused", 0) for r in ranges),
+        "shards_skipped": sum(r.stats.get("shards_skipped", 0) for r in ranges),
+        "shards_written": sum(r.stats.get("shards_written", 0) for r in ranges),
+        "tokens_per_second": round(sum(rates), 1) or None,
+        "ranges": [{"part": r.part, "shards": len(r.shards), "tokens": r.num_tokens,
+                    "shards_skipped": r.stats.get("shards_skipped"),
+                    "tokens_computed": r.stats.get("tokens_computed"), "seconds": r.stats.get("seconds"),
+                    "tokens_per_second": r.stats.get("tokens_per_second")} for r in ranges],
+    }
 
 
 @dataclass
@@ -402,9 +609,10 @@ class ExtractRun:
 
 
 def plan_run(out: Path, cfg: ExtractConfig, target: Target, samples: Samples, prev: Previous,
-             reuse: Sequence[str | Path], backend: Backend | None) -> ExtractRun:
-    """Plan the shards of `samples`, and find which are already committed in `out` and which samples the
-    `reuse` dirs hold (a reuse dir of another model, layer ids or storage is named and skipped)."""
+             reuse: Sequence[str | Path], backend: Backend | None, part: tuple[int, int] | None = None) -> ExtractRun:
+    """Plan the shards of `samples` (only range k of n of them for `part` = (k, n)), and find which are already
+    committed in `out` and which samples the `reuse` dirs hold (a reuse dir of another model, layer ids or
+    storage is named and skipped)."""
     layer_ids = target.layer_ids(cfg.aux_layer_ids)
     model_fp = target.fingerprint()
     # A shard's bytes depend on these and on its sample ids (content hashes) only -- not on the
@@ -417,6 +625,8 @@ def plan_run(out: Path, cfg: ExtractConfig, target: Target, samples: Samples, pr
     }
     tok_bytes = bytes_per_token(len(layer_ids) - 1, target.hidden_size, cfg.storage)
     plans = plan_shards(samples, tok_bytes, cfg.shard_bytes, common)
+    if part is not None:
+        plans = split_plans(plans, part[1])[part[0]]
     committed = committed_shards(out, plans, prev)
     reusable: dict[str, tuple[HiddenStateStore, int]] = {}
     for st in _open_reuse(reuse, out, common):

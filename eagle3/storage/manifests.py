@@ -181,8 +181,29 @@ class HiddenStates(StageManifest):
     )
 
     def _content(self) -> dict[str, Any]:
-        # A resumed or incremental run stores the same content with different run statistics.
-        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "stats", "model_dir"})
+        # A resumed or incremental run stores the same content with different run statistics; a store extracted
+        # by several workers is the one a single worker writes.
+        c = self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "stats", "model_dir"})
+        c["config"] = {k: v for k, v in c["config"].items() if k != "workers"}
+        return c
+
+
+class HiddenRange(StageManifest):
+    """Output of one range of a several-worker extraction (`ranges/{k:03d}-of-{n:03d}/manifest.json`): its shards,
+    checksummed, before the commit step moves them into the store (eagle3/extract/run.py). `inputs` are the
+    store's inputs plus `range: [k, n]`."""
+
+    stage: ClassVar[str] = "extract-range"
+    format_version: ClassVar[int] = 1
+
+    part: int = 0
+    parts: int = 1
+    shards: list[HiddenShardInfo] = Field(default_factory=list)
+    num_tokens: int = 0
+    stats: dict[str, Any] = Field(default_factory=dict, description="run statistics; not part of the fingerprint")
+
+    def _content(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", "stats"})
 
 
 class SpoolSource(StageManifest):
