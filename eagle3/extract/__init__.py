@@ -77,16 +77,6 @@ def _produce(a) -> None:
     from eagle3.flags import from_flags
 
     cfg = from_flags(ExtractConfig, a, load_section(a.config, "extract") if a.config else None)
-    part = None
-    if a.part is not None:  # K/N: producer K of N; N sets the producers (extract.workers), or must equal it
-        k, _, n = a.part.partition("/")
-        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
-            raise SystemExit(f"eagle3 produce: --part {a.part}: give K/N, producer K (0-based) of N, K < N")
-        part = (int(k), int(n))
-        if cfg.workers not in (1, part[1]):
-            raise SystemExit(f"eagle3 produce: --part {a.part} is one of {part[1]} producers, but --workers / the "
-                             f"config's extract.workers says {cfg.workers}")
-        cfg = cfg.model_copy(update={"workers": part[1]})
     pipe = PipelineConfig.from_file(a.config) if a.config and "train" in load_section(a.config, "") else None
     train = (TrainConfig.model_validate(load_section(a.train_config, "train")) if a.train_config
              else pipe.train if pipe else TrainConfig())
@@ -100,7 +90,7 @@ def _produce(a) -> None:
             bar.set_postfix_str(f"spool {held / 2**20:,.1f}/{spool_bytes / 2**20:,.1f} MiB")
 
         m = produce(a.model, a.prepared, a.out, cfg, train.read_order(a.world or train.nproc_per_node), spool_bytes,
-                    part=part, wait_s=a.wait_s, progress=progress, trust_remote_code=a.trust_remote_code)
+                    part=a.part, wait_s=a.wait_s, progress=progress, trust_remote_code=a.trust_remote_code)
     print(json.dumps({"out": a.out, "spool_bytes": m.spool_bytes, "windows": m.num_windows, **m.stats}, indent=1))
 
 
@@ -119,6 +109,7 @@ PRODUCE = Command(
                                   "spool_bytes, 4 GiB)")),
            ("--wait-s", dict(type=float, default=900.0, help="fail when the trainer has shown no sign of life for "
                              "this many seconds while the producer waits on it")),
-           ("--part", dict(default=None, help="K/N: this is producer K (0-based) of N filling the spool side by side "
-                           "(each its own engine; every host sees the spool dir); default: the only one"))),
+           ("--part", dict(type=int, default=None, help="several workers: this is producer K (0 to --workers - 1) of "
+                           "those filling the spool at once (one per host, each its own engine; the spool on storage "
+                           "they share)"))),
 )

@@ -8,8 +8,8 @@ has left behind. It ends once the trainer reports it is done. Killed at any mome
 committed windows the trainer still needs and starts at the trainer's position; a trainer that resumed
 from an earlier checkpoint gets its deleted windows produced again, byte for byte.
 
-With `cfg.workers = N`, N producers fill one spool: `part=(k, N)` is producer k, which writes the windows
-it owns (eagle3.storage.spool: train window j when j % N == k, the val window for k = 0), reserving each
+With `cfg.workers = N`, N producers fill one spool: `part=k` is producer k, which writes the windows
+it owns (eagle3.storage.spool: train window j when j % N == k, the val window for k = N - 1), reserving each
 under the spool's lock so that together they keep the cap. The last one to finish writes the manifest.
 """
 from __future__ import annotations
@@ -61,21 +61,20 @@ def online_inputs(model, prepared, cfg: ExtractConfig, order: Order, spool_bytes
 
 
 def produce(model: str | Path, prepared: str | Path, spool: str | Path, cfg: ExtractConfig, order: Order,
-            spool_bytes: int, *, part: tuple[int, int] | None = None, wait_s: float = 900.0,
+            spool_bytes: int, *, part: int | None = None, wait_s: float = 900.0,
             progress: Progress | None = None, backend: Backend | None = None,
             trust_remote_code: bool = False) -> SpooledStates:
-    """Produce every window the trainer reading `order` will read into `spool` (`part` = (k, N): only producer
-    k's of N = cfg.workers); return the spool's manifest, or this producer's share of it when others are
-    still running.
+    """Produce every window the trainer reading `order` will read into `spool` (`part` = k: only producer k's of
+    cfg.workers); return the spool's manifest, or this producer's share of it when others are still running.
 
     Idempotent: a spool whose producers finished with these inputs is returned as is."""
-    k, n = part if part is not None else (0, cfg.workers)
-    if n != cfg.workers or not 0 <= k < n:
-        raise ValueError(f"produce: part {k}/{n} of extract.workers = {cfg.workers} producers; give part=(k, "
-                         f"{cfg.workers}) with 0 <= k < {cfg.workers}")
+    n = cfg.workers
     if part is None and n > 1:
         raise ValueError(f"produce: extract.workers = {n} producers fill the spool; say which this one is "
-                         f"(part=(k, {n}), `eagle3 produce --part K/{n}`)")
+                         f"(part = 0 to {n - 1}: `eagle3 produce --workers {n} --part K`)")
+    k = part or 0
+    if not 0 <= k < n:
+        raise ValueError(f"produce: part {k} of {n} producers (extract.workers); give 0 to {n - 1}")
     retain_freed_memory()
     model, prepared, root = Path(model), Path(prepared), Path(spool)
     fp = online_inputs(model, prepared, cfg, order, spool_bytes, trust_remote_code)

@@ -24,10 +24,11 @@ the producers know before the trainer starts which samples each step reads, and 
 same windows from the same `Order`, budget and number of producers (the trainer reads the last two from
 plan.json); the trainer refuses a plan.json that differs from its own.
 
-Several producers (`extract.workers = N`, producer k of N: `part=(k, N)`) fill one spool, each with its
+Several producers (`extract.workers = N`, producer k of N: `part=k`) fill one spool, each with its
 own engine, on hosts that all see the spool dir. Producer k owns the train windows j with j % N == k (and
-producer 0 the val window): it writes only those, under its own name `producer-k` (its .beat, .error,
-.reserve and .stats.json; with one producer the name is `producer`). Any producer deletes the windows
+producer N - 1 the val window, so that producer 0 starts on train window 0 beside it): it writes only
+those, under its own name `producer-k` (its .beat, .error, .lock, .reserve and .stats.json; with one
+producer the name is `producer`). Any producer deletes the windows
 behind the trainer's position (under spool.lock, which orders it against reservations): a producer busy
 computing a window, or killed, then holds no room the trainer has left. The last producer to finish
 merges every producer's stats.json into manifest.json (`SpooledStates.read(spool)`). Every live
@@ -142,9 +143,9 @@ class Plan:
     _firsts: list[int] = field(default_factory=list, repr=False)
 
     def owner(self, w: Window) -> int:
-        """The producer that writes window `w`: train window j is producer j % N's, the val window producer 0's
-        (it is written first, so every producer starts on a train window at once)."""
-        return 0 if w.split == "val" else w.index % self.producers
+        """The producer that writes window `w`: train window j is producer j % N's, the val window the last one's
+        (it is reserved first: producer 0 then starts on train window 0 at once, beside it)."""
+        return self.producers - 1 if w.split == "val" else w.index % self.producers
 
     def window_of(self, step: int) -> int:
         """The train window that optimizer step `step` reads."""
