@@ -160,6 +160,13 @@ def test_plan_covers_every_step_in_order_and_fits_the_budget():
     assert sp.plan(src, TrainConfig(pack_tokens=512, epochs=3, grad_accum=2, seed=1).read_order(2),
                    1_500_000, 100).key != p.key
     assert sp.plan(src, order, 2_000_000, 100).key != p.key
+    # two producers: windows of a third of the room, so two are written while the trainer reads a third; the
+    # trainer learns the number from plan.json, and it is in the key
+    two = sp.plan(src, order, 1_500_000, 100, producers=2)
+    assert len(two.train) > len(p.train) and two.key != p.key and two.to_json()["producers"] == 2
+    assert all(two.val.bytes + a.bytes + b.bytes + c.bytes <= two.spool_bytes
+               for a, b, c in zip(two.train, two.train[1:], two.train[2:], strict=False))
+    assert [two.owner(w) for w in two.windows()[:4]] == [1, 0, 1, 0]  # val: the last producer's; then j % 2
 
 
 def test_plan_refuses_a_budget_that_cannot_hold_one_step():
