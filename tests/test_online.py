@@ -177,6 +177,50 @@ def test_plan_refuses_a_budget_that_cannot_hold_one_step():
         sp.plan(src, TrainConfig(pack_tokens=200, epochs=1).read_order(1), 20_000, 100)
 
 
+def test_the_cap_counts_every_reservation_and_the_trainer_waits_on_the_window_owner(tmp_path):
+    """Several producers: a reserved window counts at its planned size (its growing temp file is not counted
+    twice) until released; the trainer waiting for a window fails once that window's producer is silent, though
+    another beats, and on any producer's error."""
+    src = _source([100] * 40, [50] * 4)
+    p = sp.plan(src, TrainConfig(pack_tokens=200, epochs=1).read_order(1), 200_000, 100, producers=2)
+    s = sp.Spool(tmp_path)
+    (tmp_path / "shards").mkdir()
+    (tmp_path / p.train[0].file).write_bytes(b"x" * 1000)  # committed shard of window 0
+    with s.locked():
+        s.reserve("producer-1", p.train[1])
+    (tmp_path / "shards" / f".{p.train[1].name}.safetensors.ab12.tmp").write_bytes(b"x" * 500)  # being written
+    assert s.held() == 1000 + p.train[1].bytes
+    assert s.held(p.train[2]) == 1000 + p.train[1].bytes + p.train[2].bytes
+    s.release("producer-1")
+    assert s.held() == sp.spool_dir_bytes(tmp_path) == 1500
+
+    def waiting_for(step: int, wait_s: float) -> sp.SpoolReader:
+        waits = [sp.Waiter(tmp_path, f"producer-{k}.beat", wait_s, "the next shard", sp.PRODUCER_ERRORS)
+                 for k in range(2)]
+        r = sp.SpoolReader(s, p, "train", src.lengths["train"], waits, main=True, barrier=lambda: None)
+        r.at(step)
+        return r
+
+    def show_up() -> None:  # a trainer that does not fail ends (failing the test) once the windows are there
+        for w in p.train[1:3]:
+            (tmp_path / w.file).write_bytes(b"x")
+            (tmp_path / w.record).write_text(json.dumps({"key": sp.window_key(p, w)}))
+
+    later = threading.Timer(10, show_up)
+    later.start()
+    with sp.beating(tmp_path / "producer-0.beat", tmp_path / sp.PRODUCER_BEAT):  # producer 0 lives, 1 is silent
+        r = waiting_for(p.train[1].first, 0.5)
+        with pytest.raises(RuntimeError, match=r"the producer-1 has shown no sign of life for \d+ s \(producer-1.beat"):
+            r[p.train[1].rows[0]]
+        err = tmp_path / "producer-1.error"
+        err.write_text("RuntimeError: engine died")
+        os.utime(err, (time.time() - sp.ERROR_GRACE - 1,) * 2)  # no restart of producer 1 cleared it in time
+        r = waiting_for(p.train[2].first, 60)  # producer 0's window; producer 1's error fails it all the same
+        with pytest.raises(RuntimeError, match=r"the producer-1 failed \(producer-1.error\): RuntimeError: engine"):
+            r[p.train[2].rows[0]]
+    later.cancel()
+
+
 # ---------------------------------------------------------------- the pair
 def test_online_equals_offline_bitwise_and_never_exceeds_the_spool(stages, tiny_llama_dir):
     spool = stages / "spool-a"
