@@ -167,11 +167,41 @@ class TrainConfig(_Cfg):
     fsdp: bool = Field(False, description="FSDP2 instead of DDP (CUDA only)")
     export_format: Literal["vllm", "speculators"] = Field("vllm", description="layout of final/")
     threads: int | None = Field(None, ge=1, description="torch CPU threads per process; empty: torch's default")
-    nproc_per_node: int = Field(1, ge=1, description="training processes (torchrun) on this node: GPUs, or CPU ranks")
+    nproc_per_node: int = Field(1, ge=1, description="training processes (torchrun) on each node: GPUs, or CPU ranks")
+    nnodes: int = Field(1, ge=1, description="nodes (hosts) that train together (torchrun --nnodes), each running "
+                        "nproc_per_node processes and started with its own node rank; the out dir must be on storage "
+                        "every node shares")
+    rdzv_endpoint: str | None = Field(
+        None, description="nnodes above 1: HOST:PORT of the rendezvous (torchrun's c10d backend), an address of one "
+        "node's host that every node reaches (the node started there serves it); required then. Where the nodes "
+        "meet changes no result: it is not part of the run's identity (checkpoints resume at another endpoint)",
+    )
     init_from: str | None = Field(
         None, description="warm start: a draft dir (final/) whose weights initialize training; its d2t must equal "
         "the verifier's vocab map; empty: a fresh draft",
     )
+
+    @model_validator(mode="after")
+    def _rendezvous(self) -> "TrainConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes {self.nnodes} needs rdzv_endpoint: HOST:PORT of one node's host that every node "
+                             "reaches (all nodes on this host: 127.0.0.1 and a free port)")
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r}: expected HOST:PORT "
+                                 "(e.g. node0.internal:29500)")
+        return self
+
+    @property
+    def world(self) -> int:
+        """Training processes over every node: the world size the read order and the steps are cut for."""
+        return self.nnodes * self.nproc_per_node
+
+    def identity(self) -> dict[str, Any]:
+        """The config as the run's identity (checkpoints' config check, the manifest, cache keys): every field
+        but where the nodes meet, which changes no result."""
+        return self.model_dump(mode="json", exclude={"rdzv_endpoint"})
 
     def read_order(self, world: int):
         """What fixes the order this run reads samples in, for `world` ranks (an online producer's plan)."""

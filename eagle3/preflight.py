@@ -14,6 +14,7 @@ Token counts come from the prepare manifest when it exists, else from the source
 
 Wall time per remaining stage, on CPU from SmolLM2 rates measured on a 2-core host, scaled by the
 target's size, on GPU (vLLM) from compute-bound planning rates; a run over `max_hours` is refused.
+Extraction over `extract.workers` hosts takes the largest range's share of one host's time.
 Online, extraction runs once per epoch the trainer reads, beside the trainer: the pair takes the longer of the two
 plus one shard's start-up, not their sum.
 """
@@ -230,9 +231,13 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     # CPU: measured SmolLM2 rates (2 threads, k=3): ~700 tok/s in epoch 1, ~1,100 tok/s later
     # (the target's full-vocab argmax is cached per sample after the first epoch)
     cpu_s = (tokens / 700 + tokens * (tc.epochs - 1) / 1100) * (P / 10e6) * (tc.ttt_steps / 3)
-    tr_s = tr_flops / (tc.nproc_per_node * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s
+    tr_s = tr_flops / (tc.world * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s
     epochs = epochs_read(cfg, tokens) if cfg.mode == "online" else 1  # online: extraction runs once per epoch
+    ex_s *= worker_share(cfg, t, tokens)
     pl.seconds = stage_seconds(cfg, t, tokens, ex_s * epochs, tr_s)
+    if cfg.extract.workers > 1:
+        pl.rows.append({"stage": "extract", "what": f"over {cfg.extract.workers} workers: the largest range's share of "
+                        "the tokens", "bytes": 0, "human": f"{worker_share(cfg, t, tokens):.3f}"})
     pl.rows += [{"stage": k, "what": "wall time (estimate)", "bytes": 0, "human": hms(v)}
                 for k, v in pl.seconds.items()]
     if cfg.mode == "online" and {"extract", "train"} <= pl.seconds.keys():
@@ -259,6 +264,21 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     return pl
 
 
+def worker_share(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> float:
+    """The share of one host's extraction time that `extract.workers` hosts take together: the largest range's
+    share of the tokens. Ranges are cut at shard boundaries (offline: a range is at most one shard over an even
+    cut); online, producers take whole windows in turn. Each range runs at the one-host rate, on its own host."""
+    from eagle3.storage.store import bytes_per_token
+
+    n = cfg.extract.workers
+    if n == 1 or not tokens:
+        return 1.0
+    if cfg.mode == "online":
+        return 1.0 / n
+    shard = cfg.extract.shard_bytes / bytes_per_token(3, t.hidden_size, cfg.extract.storage)  # tokens per shard
+    return min(1.0, 1.0 / n + shard / tokens)
+
+
 def offline_store_bytes(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> float:
     """The full hidden-state store offline extraction writes."""
     from eagle3.storage.store import bytes_per_token
@@ -279,7 +299,7 @@ def spool_floor(cfg: PipelineConfig, t: TargetPlan, tokens: int) -> float:
     the step before: the validation shard plus two steps. A step reads nproc x grad_accum packs, each of at
     most max(pack_tokens, max_len) stored tokens (samples are stored whole; the trainer cuts them)."""
     tc = cfg.train
-    step = tc.nproc_per_node * tc.grad_accum * max(tc.pack_tokens, cfg.prepare.max_len)
+    step = tc.world * tc.grad_accum * max(tc.pack_tokens, cfg.prepare.max_len)
     return spool_val_bytes(cfg, t, tokens) + 2 * offline_store_bytes(cfg, t, step)
 
 
@@ -351,7 +371,7 @@ def epochs_read(cfg: PipelineConfig, tokens: int) -> int:
         return tc.epochs
     train = tokens * (1 - val_share(cfg))
     packs = max(1, -(-int(train) // tc.pack_tokens))
-    per_epoch = -(-packs // (tc.nproc_per_node * tc.grad_accum))
+    per_epoch = -(-packs // (tc.world * tc.grad_accum))
     return -(-tc.max_steps // per_epoch)
 
 

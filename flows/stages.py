@@ -83,23 +83,39 @@ def fresh(task, manifest_cls, out):
 
 
 def run_stage(name: str, out: str, wait_for=None, **inputs):
-    """Run stage `name` into `out`, log its start and end with its key figures, publish its artifacts."""
+    """Run stage `name` into `out`, log its start and end with its key figures, publish its artifacts. Training
+    on several nodes (cfg.nnodes > 1) is one task per node, started together (`nodes`)."""
     stage, log = STAGES[name], get_run_logger()
     suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
+    nnodes = inputs["cfg"].nnodes if name == "train" else 1
+    on = f" on {nnodes} nodes" if nnodes > 1 else ""
     t0 = time.monotonic()
     if name == "extract" and inputs["cfg"].workers > 1:
         m, how, mem = run_ranges(out, wait_for, **inputs)
     elif suffix and name in GPU_STAGES:
         deployment = f"eagle3-{name}/{name}-{suffix}"
-        log.info("%s: started on deployment %s, output %s", name, deployment, out)
-        hop_task(name)(name, deployment, as_params({**inputs, "out": out}), wait_for=wait_for)
+        log.info("%s: started%s on deployment %s, output %s", name, on, deployment, out)
+        params = as_params({**inputs, "out": out})
+        if nnodes == 1:
+            hop_task(name)(name, deployment, params, wait_for=wait_for)
+        else:  # one flow run per node, each on a gpu worker (a GPU host) of its own
+            labels = [node_name(name, k) for k in range(nnodes)]
+            wait_all(name, [hop_task(name).submit(lb, deployment, {**params, "node_rank": k}, wait_for=wait_for)
+                            for k, lb in enumerate(labels)], labels)
         m, how = stage.manifest.read(out), "done"  # the stage dir is on storage both pools share
         mem = ""  # the stage ran in the deployment's process
     else:
-        log.info("%s: started, output %s", name, out)
+        log.info("%s: started%s, output %s", name, on, out)
+        task = fresh(stage.task, stage.manifest, out)
         with PeakRSS() as peak:  # stages run one at a time here: each gets its own peak
-            state = fresh(stage.task, stage.manifest, out)(out=out, wait_for=wait_for, return_state=True, **inputs)
-        m, how = state.result(), "cached (inputs unchanged)" if state.name == "Cached" else "done"
+            if nnodes == 1:
+                states = [task(out=out, wait_for=wait_for, return_state=True, **inputs)]
+            else:  # every node's torchrun under this process (the nodes share this host)
+                labels = [node_name(name, k) for k in range(nnodes)]
+                states = wait_all(name, [task.with_options(task_run_name=lb).submit(
+                    out=out, wait_for=wait_for, node_rank=k, **inputs) for k, lb in enumerate(labels)], labels)
+        m = states[0].result()  # every node task returns the manifest global rank 0 wrote
+        how = "cached (inputs unchanged)" if all(s.name == "Cached" for s in states) else "done"
         mem = f", {peak.line()}"
     stage.publish(m, out)
     log.info("%s: %s in %s%s: %s", name, how, hms(time.monotonic() - t0), mem, stage.headline(m))
@@ -111,8 +127,6 @@ def run_ranges(out: str, wait_for=None, **inputs) -> tuple[HiddenStates, str, st
     extract deployment when the GPU stages hop (its flow run goes to whichever GPU worker takes it), else run
     here on its own devices; then the commit, here (it renames files on the storage both pools share). A failed
     range is retried alone (it resumes); the commit waits for all. Returns (manifest, how, memory line)."""
-    from eagle3.extract.run import range_dir
-
     log, cfg = get_run_logger(), inputs["cfg"]
     n, suffix = cfg.workers, os.environ.get("EAGLE3_GPU_DEPLOYMENT")
     labels = [range_label(k, n) for k in range(n)]
@@ -132,15 +146,7 @@ def run_ranges(out: str, wait_for=None, **inputs) -> tuple[HiddenStates, str, st
             for f in futures:
                 f.wait()
         mem = f", {peak.line()}"
-    for f in futures:
-        f.wait()
-    failed = [(label, f.state) for label, f in zip(labels, futures, strict=True) if not f.state.is_completed()]
-    if failed:
-        log.error("extract: %s; the finished ranges are kept (%s)",
-                  ", ".join(f"{lb} ended {s.name}" for lb, s in failed),
-                  ", ".join(str(range_dir(out, k, n)) for k in range(n)))
-        failed[0][1].result()  # raises the range's own exception
-    cached = all(f.state.name == "Cached" for f in futures)
+    cached = all(s.name == "Cached" for s in wait_all("extract", futures, labels))
     state = fresh(commit_task, HiddenStates, out)(out=out, return_state=True, **inputs)
     how = "cached (inputs unchanged)" if cached and state.name == "Cached" else f"done over {n} workers"
     return state.result(), how, mem
@@ -153,6 +159,28 @@ def fresh_range(out: str, k: int, n: int):
 
     done = HiddenRange.exists(range_dir(out, k, n)) or HiddenStates.exists(out)
     return extract_range_task if done else extract_range_task.with_options(refresh_cache=True)
+
+
+def node_name(name: str, k: int) -> str:
+    return f"{name} (node {k})"
+
+
+def wait_all(name: str, futures: list, labels: list[str]) -> list:
+    """Wait for the tasks of one stage submitted together (the nodes of a multi-node training, the ranges of an
+    extraction); raise the first failed one's error, after logging every failure. Returns their states.
+
+    Nodes: a node that dies ends its peers' torchrun too (a collective or the rendezvous fails), so every node
+    task fails and retries, and they meet again at the rendezvous (eagle3/train/launch.py), resuming from the
+    last checkpoint; they share one cache key (a finished run's are all cached). Ranges: each retries alone and
+    resumes; the finished ones are kept."""
+    for f in futures:
+        f.wait()
+    states = [f.state for f in futures]
+    failed = [(lb, s) for lb, s in zip(labels, states, strict=True) if not s.is_completed()]
+    if failed:
+        get_run_logger().error("%s: %s", name, ", ".join(f"{lb} ended {s.name}: {s.message}" for lb, s in failed))
+        failed[0][1].result()  # raises that task's own exception
+    return states
 
 
 def as_params(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -233,6 +261,8 @@ def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract
     engine in turn, then the trainer's processes); hopped, each flow run (each producer on the GPU worker that
     takes it: its own host) splits its host's devices the same way."""
     log = get_run_logger()
+    if train.nnodes > 1:  # the producer and the trainer split one host's devices
+        raise ValueError(f"online training runs on one node; train.nnodes is {train.nnodes} (use mode offline)")
     suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
     online = OnlineSource(extract=extract, spool_bytes=spool_bytes, wait_s=wait_s)
     n = extract.workers
@@ -339,13 +369,18 @@ def verifier(model: str, prepared: str, out: str) -> VerifierWeights:
 
 @flow(name="eagle3-train")
 def train(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "", model: str = "",
-          prepared: str = "", trust_remote_code: bool = False, online: OnlineSource | None = None) -> TrainedDraft:
+          prepared: str = "", trust_remote_code: bool = False, online: OnlineSource | None = None,
+          node_rank: int = 0) -> TrainedDraft:
     """Stage 4 alone: train the draft under torchrun (a retry resumes from its last checkpoint); `online`:
-    `hidden` is the spool an eagle3-produce run fills beside it."""
+    `hidden` is the spool an eagle3-produce run fills beside it; `node_rank`: this host's node of cfg.nnodes
+    (a flow run per node, started together)."""
     # beside a producer, the devices after the producer's; alone, every visible device
     devices = (split_devices(online.producer_slots, cfg.nproc_per_node) or [None, None])[1] if online else None
-    return _done("train", own("train", out)(hidden, verifier, out, cfg, verifier_name, model, prepared,
-                                            trust_remote_code, online, devices), out)
+    task = own("train", out)
+    if cfg.nnodes > 1:
+        task = task.with_options(task_run_name=node_name("train", node_rank))
+    return _done("train", task(hidden, verifier, out, cfg, verifier_name, model, prepared, trust_remote_code,
+                               online, devices, node_rank), out)
 
 
 @flow(name="eagle3-produce")

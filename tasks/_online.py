@@ -37,10 +37,10 @@ class OnlineSource(BaseModel):
 def producer_inputs(model: str, prepared: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
                     trust_remote_code: bool = False) -> dict[str, Any]:
     """What the producer's run depends on (eagle3.extract.online.online_inputs), for the read order of the
-    trainer of `train` (its nproc_per_node ranks)."""
+    trainer of `train` (its nnodes x nproc_per_node ranks)."""
     from eagle3.extract.online import online_inputs
 
-    return online_inputs(model, prepared, cfg, train.read_order(train.nproc_per_node), spool_bytes, trust_remote_code)
+    return online_inputs(model, prepared, cfg, train.read_order(train.world), spool_bytes, trust_remote_code)
 
 
 def pair_done(spool: str | Path, train_out: str | Path, producer: dict[str, Any], verifier: str,

@@ -246,7 +246,7 @@ def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train:
     from eagle3.storage.spool import TRAINER_BEAT
 
     log, since = get_run_logger(), time.time()
-    order = train.read_order(train.nproc_per_node)
+    order = train.read_order(train.world)
     # what the train task (and, in this process, the other producers) hold beside this one
     engine = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     beside = train.nproc_per_node + (cfg.workers - 1) * engine if devices is not None else gpu_slots()

@@ -22,7 +22,7 @@ from eagle3.eval.replay import replay_set_dir
 from eagle3.storage.hashing import sha256_file
 from eagle3.storage.manifests import HiddenStates, TrainedDraft, VerifierWeights
 from eagle3.storage.spool import PRODUCER_BEAT, wait_source
-from eagle3.train.launch import command
+from eagle3.train.launch import command, finished
 from tasks._cache import stage_key, stage_task
 from tasks._gpus import gpu_slots, hold_gpus
 from tasks._online import OnlineSource, PartnerGone, partner_gone, producer_inputs
@@ -41,13 +41,13 @@ def _online_key(i: dict[str, Any]) -> dict[str, Any]:
                                         i.get("trust_remote_code", False)),
             "verifier": VerifierWeights.read(i["verifier"]).fingerprint,
             "init_from": sha256_file(Path(cfg.init_from) / "model.safetensors") if cfg.init_from else None,
-            "config": cfg.model_dump(mode="json")}
+            "config": cfg.identity()}
 
 
 def _train_key(i: dict[str, Any]) -> dict[str, Any]:
     offline = stage_key("train")
     return _online_key(i) if i.get("online") is not None else offline({k: v for k, v in i.items()
-                                                                        if k not in ("online", "devices")})
+                                                                        if k not in ("online", "devices", "node_rank")})
 
 
 def build_replay(model: str, prepared: str, aux_ids: list[int], cfg: TrainConfig, trust_remote_code: bool, log,
@@ -142,16 +142,20 @@ def publish(m: TrainedDraft, out: str) -> None:
 @stage_task("train", retries=2, delay=10, key=_train_key, retry_condition_fn=_retry)
 def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "", model: str = "",
                prepared: str = "", trust_remote_code: bool = False, online: OnlineSource | None = None,
-               devices: list[str] | None = None) -> TrainedDraft:
+               devices: list[str] | None = None, node_rank: int = 0) -> TrainedDraft:
     """Train the draft under torchrun; a retry resumes from the last checkpoint. Given the target and the
     prepared dir, first build the replay set (cfg.replay_prompts val prompts) its validation replays.
 
     `online`: `hidden` is the spool a producer fills beside this task (`eagle3 train --online`); `devices`:
     the GPUs of the trainer's processes (CUDA_VISIBLE_DEVICES), of those the producer does not use; None:
-    whatever the process sees."""
+    whatever the process sees. `node_rank`: cfg.nnodes > 1, this task is that node's part, on its own host,
+    beside one task per other node (the flow starts them together; each holds its own host's slots)."""
     log, since = get_run_logger(), time.time()
     env = None if devices is None else {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)}
-    beside = 0 if online is None else online.producer_slots if devices is not None else gpu_slots()
+    if online is not None:
+        beside = online.producer_slots if devices is not None else gpu_slots()
+    else:  # the other nodes hold as many at once: a limit smaller than all together would keep one out for good
+        beside = (cfg.nnodes - 1) * (len(devices) if devices is not None else gpu_slots())
     with hold_gpus(devices, beside=beside):
         try:
             replay = None
@@ -161,9 +165,14 @@ def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_
                 else:
                     aux = HiddenStates.read(hidden).aux_layer_ids
                 replay = build_replay(model, prepared, aux, cfg, trust_remote_code, log, env)
-            # the stage dir follows its inputs: checkpoints of other inputs are stale, not a conflict
-            run_streamed(command(hidden, verifier, out, cfg, verifier_name, restart_on_mismatch=True, replay=replay,
-                                 online=online is not None, wait_s=online.wait_s if online else 900.0), log, env)
+            if cfg.nnodes > 1 and finished(hidden, verifier, out, cfg, replay) is not None:
+                # a node retried after its peers finished: its torchrun would wait for them at the rendezvous
+                log.info("train: %s already holds this run's result (node %d of %d)", out, node_rank, cfg.nnodes)
+            else:
+                # the stage dir follows its inputs: checkpoints of other inputs are stale, not a conflict
+                run_streamed(command(hidden, verifier, out, cfg, verifier_name, restart_on_mismatch=True,
+                                     replay=replay, online=online is not None,
+                                     wait_s=online.wait_s if online else 900.0, node_rank=node_rank), log, env)
         except UserInputError:
             raise
         except RuntimeError as e:

@@ -74,10 +74,11 @@ class Service:
 @contextlib.contextmanager
 def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | None = None,
             while_booting: Callable[[], object] | None = None, gpu_workers: int = 1,
-            silent_s: int = 90) -> Iterator[Service]:
+            silent_s: int = 90, gpu_limit: int | None = None) -> Iterator[Service]:
     """The whole service on a free loopback port, stopped (every process group) on exit. `gpu_workers`: process
     workers on the gpu pool (eagle3-gpu, eagle3-gpu-2, ...: GPU hosts), each in its own process group,
-    `Service.workers` by name (a test may kill one)."""
+    `Service.workers` by name (a test may kill one); `gpu_limit`: flow runs each gpu worker takes at once (one
+    per host for stages that each hold all of a host's devices)."""
     import httpx
 
     port = free_port()
@@ -113,7 +114,8 @@ def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | N
         names = [("cpu", "eagle3-cpu")] + [("gpu", "eagle3-gpu" + (f"-{k + 1}" if k else ""))
                                            for k in range(gpu_workers)]
         for pool, name in names:
-            w = start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", name],
+            limit = ["--limit", str(gpu_limit)] if pool == "gpu" and gpu_limit else []
+            w = start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", name, *limit],
                       {**env, **(worker_env or {}).get(pool, {})}, home / f"worker-{name}.log", cwd=REPO)
             procs.append(w)
             s.workers[name] = w

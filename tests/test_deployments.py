@@ -50,11 +50,12 @@ from prefect_service import (
 @pytest.fixture(scope="module")
 def service(request, tmp_path_factory):
     """The service (tests/prefect_service.py) with basic auth on: every client below holds the credentials,
-    as docs/service.md's multi-host set-up does. Two gpu workers: two 8-GPU hosts, so the `gpus` limit is 16.
+    as docs/service.md's multi-host set-up does. Two gpu workers, one flow run at a time each: two 8-GPU hosts,
+    so the `gpus` limit is 16.
     A flow run silent for 60 s (twice its heartbeat) is marked Crashed."""
     home = tmp_path_factory.mktemp("prefect-service")
     with ps.service(home, gpus=16, while_booting=lambda: request.getfixturevalue("tiny_llama_dir"), gpu_workers=2,
-                    silent_s=60) as s:
+                    silent_s=60, gpu_limit=1) as s:
         print(f"\nserver up in {s.seconds['server']:.1f} s; pools, limit, workers and deployments in "
               f"{s.seconds['ready']:.1f} s")
         yield s
@@ -387,6 +388,67 @@ def load_drill(service, client, cfg: PipelineConfig, night_params: dict, night_d
     return time.time() - t0
 
 
+
+
+def test_deployed_train_on_two_nodes_equals_two_ranks_on_one(service, client, tiny, monkeypatch):
+    """The pipeline's train step as deployed (`run_stage` in a flow run of this process, the GPU stages hopping),
+    with train.nnodes 2: one hop per node, each a flow run of eagle3-train/train-gpu (node_rank 0 and 1) on the
+    gpu pool, holding its host's 8 slots while the other holds its own; the two torchruns meet at a rendezvous
+    on this host and train what 2 ranks on one node train (the library, here, on the same stage dirs): the
+    same metrics records and final weights, bitwise. (The stages before train run here, by the library: the
+    pipeline's own hops are run A's.)"""
+    from prefect import flow
+
+    from eagle3.eval.replay import replay_set_dir
+    from eagle3.extract import run_extract
+    from eagle3.prepare import prepare
+    from eagle3.registry import STAGES as LIBRARY
+    from eagle3.storage.manifests import HiddenStates, TrainedDraft
+    from eagle3.verifier import extract_verifier
+    from flows.stages import run_stage
+
+    service.setup(16)  # two 8-GPU hosts (the load drill above leaves the limit at 1)
+    cfg, _ = tiny
+    model, d = cfg.model, {s: str(cfg.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train")}
+    # the full vocab as the draft's: the random target's argmax always falls in it (with the tiny config's 256
+    # it never does, and the loss is 0): weights that move
+    full = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    prepare(model, d["prepare"], cfg.prepare.model_copy(update={"draft_vocab": full}), progress=False)
+    run_extract(model, d["prepare"], d["extract"], cfg.extract, show_progress=False)
+    extract_verifier(model, d["prepare"], d["verifier"])
+    nodes = cfg.train.model_copy(update={"nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{ps.free_port()}"})
+    since = datetime.now(timezone.utc)
+    monkeypatch.setenv("EAGLE3_GPU_DEPLOYMENT", "gpu")  # as the cpu pool sets it
+
+    @flow(name="eagle3-train-step")
+    def step() -> TrainedDraft:
+        return run_stage("train", d["train"], hidden=d["extract"], verifier=d["verifier"], cfg=nodes,
+                         verifier_name=model, model=model, prepared=d["prepare"], trust_remote_code=False)
+
+    state = step(return_state=True)
+    run = client.read_flow_run(state.state_details.flow_run_id)
+    assert state.is_completed(), logs(client, run)[-4000:]
+    trains = sorted(subflows(client, run), key=lambda c: c.name)
+    assert [c.name for c in trains] == [f"train (node {k}) · {run.name}" for k in (0, 1)]
+    assert [(c.state.name, c.work_pool_name, c.parameters["node_rank"]) for c in trains] == [
+        ("Completed", "gpu", 0), ("Completed", "gpu", 1)]
+    spans = gpu_intervals(client, since, expect=2)
+    assert {i.flow_run for i in spans} == {f"prefect.flow-run.{c.id}" for c in trains}
+    assert len(spans) == 2 and {i.slots for i in spans} == {8} and overlaps(spans)  # both nodes at once
+
+    # the reference: 2 processes on one node, on these stage dirs and the replay set the node tasks built
+    one = nodes.model_copy(update={"nnodes": 1, "nproc_per_node": 2, "rdzv_endpoint": None})
+    replay = replay_set_dir(model, d["prepare"], one.replay_prompts, one.replay_max_new_tokens,
+                            HiddenStates.read(d["extract"]).aux_layer_ids)[0]
+    ref = Path(cfg.run_dir) / "one-node"
+    LIBRARY["train"].run(ref, one, hidden=d["extract"], verifier=d["verifier"], replay=str(replay),
+                         verifier_name=model)
+    rec = [[{k: v for k, v in json.loads(ln).items() if k != "tokens_per_s"}
+            for ln in (Path(out) / "metrics.jsonl").read_text().splitlines()] for out in (d["train"], ref)]
+    assert rec[0] == rec[1] and any(r["split"] == "val" and r["replay_rounds"] > 0 for r in rec[0])
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rec[0] if r["split"] == "train")
+    assert state.result() == TrainedDraft.read(d["train"])
+    assert TrainedDraft.read(d["train"]).weights_sha256 == TrainedDraft.read(ref).weights_sha256
 
 
 def test_nightly_sources_reuse_and_promoted_draft(tmp_path):

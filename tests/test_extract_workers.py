@@ -104,3 +104,24 @@ def test_a_killed_range_resumes_alone_and_a_killed_commit_finishes(tiny_llama_di
     two = HiddenStates.read(out)
     assert [(s.file, s.sha256) for s in two.shards] == [(s.file, s.sha256) for s in one.shards]
     assert two.fingerprint == one.fingerprint
+
+
+def test_preflight_plans_extraction_over_n_hosts_as_the_largest_range():
+    """The Kimi-K2.5 preset's extraction on 1, 4 and 16 hosts: one host's time times the largest range's share
+    (an even cut plus at most one shard); the other stages keep theirs."""
+    from pathlib import Path
+
+    from eagle3.config import PipelineConfig
+    from eagle3.preflight import plan, worker_share
+
+    base = PipelineConfig.from_file(Path(__file__).parents[1] / "examples" / "kimi-k2.5.yaml")
+    plans = {}
+    for n in (1, 4, 16):
+        cfg = base.model_copy(update={"extract": base.extract.model_copy(update={"workers": n})})
+        plans[n] = plan(cfg, free_bytes=1 << 50, free_mem=1 << 40)
+        share = worker_share(cfg, cfg.target, plans[n].tokens)
+        assert 1 / n <= share < 1 / n + 0.01  # 1 GiB shards against ~22.8M tokens of ~36 KB each
+        assert plans[n].seconds["extract"] == pytest.approx(plans[1].seconds["extract"] * share)
+        assert {k: v for k, v in plans[n].seconds.items() if k != "extract"} == \
+            {k: v for k, v in plans[1].seconds.items() if k != "extract"}
+    assert any("over 16 workers" in r["what"] for r in plans[16].rows)

@@ -67,22 +67,77 @@ def vals(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "val"]
 
 
-def test_two_processes_equal_one_with_same_global_batch(stages, tmp_path):
-    replay = ["--replay", (stages / "replay").read_text(), "--val-every", "2"]  # ranks replay their share of turns
-    run_train(stages, tmp_path / "one", "--max-steps", "4", "--grad-accum", "2", *replay, nproc=1)
-    run_train(stages, tmp_path / "two", "--max-steps", "4", "--grad-accum", "1", *replay, nproc=2)
-    va, vb = vals(tmp_path / "one"), vals(tmp_path / "two")
+def replay_every_2(stages: Path) -> list[str]:
+    return ["--replay", (stages / "replay").read_text(), "--val-every", "2"]  # ranks replay their share of turns
+
+
+@pytest.fixture(scope="module")
+def two_ranks(stages, tmp_path_factory) -> Path:
+    """2 processes x 1 row per step on one node, 4 steps, validated (with replay) at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("two-ranks") / "two"
+    run_train(stages, out, "--max-steps", "4", "--grad-accum", "1", *replay_every_2(stages), nproc=2)
+    return out
+
+
+def test_two_processes_equal_one_with_same_global_batch(stages, two_ranks, tmp_path):
+    run_train(stages, tmp_path / "one", "--max-steps", "4", "--grad-accum", "2", *replay_every_2(stages), nproc=1)
+    va, vb = vals(tmp_path / "one"), vals(two_ranks)
     assert [v["step"] for v in va] == [2, 4] and all(v["replay_rounds"] > 0 for v in va)
     for x, y in zip(va, vb, strict=True):
         assert x["replay_rounds"] == y["replay_rounds"] and abs(x["replay_tau"] - y["replay_tau"]) <= 1e-9
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    a, b = losses(tmp_path / "one"), losses(two_ranks)
     assert sorted(a) == [1, 2, 3, 4] and a[1] > 0
     for s in a:
         assert abs(a[s] - b[s]) <= 1e-6, (s, a[s], b[s])
     wa = load_file(tmp_path / "one" / "final" / "model.safetensors")
-    wb = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    wb = load_file(two_ranks / "final" / "model.safetensors")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node(stages: Path, out: Path, rank: int, *flags: str) -> subprocess.Popen:
+    """`eagle3 train ... --node-rank RANK` (one node's command, as a user runs it on each host), logged beside out."""
+    cmd = [sys.executable, "-m", "eagle3.cli", "train", "--hidden", str(stages / "hid"), "--verifier",
+           str(stages / "ver"), "--out", str(out), *FLAGS, *flags, "--node-rank", str(rank)]
+    with open(out.parent / f"node{rank}.log", "w") as log:
+        return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def records(out: Path) -> list[dict]:
+    """Every metrics record but its rate (the wall clock's)."""
+    return [{k: v for k, v in json.loads(ln).items() if k != "tokens_per_s"}
+            for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_nodes_equal_two_ranks_on_one_node(stages, two_ranks, tmp_path):
+    """2 nodes x 1 process (two `eagle3 train --node-rank K` commands meeting at a rendezvous on this host) train
+    what 2 processes on one node do: the same metrics records and final weights, bitwise. A node started again
+    once the run is done ends at once instead of waiting at the rendezvous for peers that never come."""
+    out = tmp_path / "nodes" / "train"
+    out.parent.mkdir()
+    nodes = ["--max-steps", "4", "--grad-accum", "1", *replay_every_2(stages), "--nnodes", "2",
+             "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    procs = [node(stages, out, k, *nodes) for k in (0, 1)]
+    for k, p in enumerate(procs):
+        assert p.wait(timeout=600) == 0, (out.parent / f"node{k}.log").read_text()[-3000:]
+    assert records(out) == records(two_ranks)
+    final = "final/model.safetensors"
+    assert (out / final).read_bytes() == (two_ranks / final).read_bytes()
+    m = json.loads((out / "manifest.json").read_text())
+    assert (m["config"]["nnodes"], m["config"]["nproc_per_node"]) == (2, 1) and "rdzv_endpoint" not in m["config"]
+    t0 = time.time()
+    again = node(stages, out, 1, *nodes[:-1], "127.0.0.1:1")  # nobody listens there: torchrun must not start
+    assert again.wait(timeout=120) == 0, (out.parent / "node1.log").read_text()[-3000:]
+    assert time.time() - t0 < 60 and json.loads((out / "manifest.json").read_text()) == m
 
 
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(stages, tmp_path):

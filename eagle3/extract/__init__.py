@@ -89,7 +89,7 @@ def _produce(a) -> None:
             bar.update(done - bar.n)
             bar.set_postfix_str(f"spool {held / 2**20:,.1f}/{spool_bytes / 2**20:,.1f} MiB")
 
-        m = produce(a.model, a.prepared, a.out, cfg, train.read_order(a.world or train.nproc_per_node), spool_bytes,
+        m = produce(a.model, a.prepared, a.out, cfg, train.read_order(a.world or train.world), spool_bytes,
                     part=a.part, wait_s=a.wait_s, progress=progress, trust_remote_code=a.trust_remote_code)
     print(json.dumps({"out": a.out, "spool_bytes": m.spool_bytes, "windows": m.num_windows, **m.stats}, indent=1))
 
@@ -104,7 +104,7 @@ PRODUCE = Command(
                              "or an extract config; flags override it")),
            ("--train-config", dict(default=None, help="the trainer's config file (its read order: seed, pack_tokens, "
                                    "epochs, max_steps, grad_accum, val_max_packs); default: --config's train section")),
-           ("--world", dict(type=int, default=None, help="the trainer's ranks (default its nproc_per_node)")),
+           ("--world", dict(type=int, default=None, help="the trainer's ranks (default its nnodes x nproc_per_node)")),
            ("--spool-bytes", dict(type=int, default=None, help="the spool's cap in bytes (default: the config's "
                                   "spool_bytes, 4 GiB)")),
            ("--wait-s", dict(type=float, default=900.0, help="fail when the trainer has shown no sign of life for "

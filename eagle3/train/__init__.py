@@ -12,20 +12,26 @@ from eagle3.config import TrainConfig
 from eagle3.flags import UserError
 from eagle3.stage import Stage
 from eagle3.storage.manifests import TrainedDraft
-from eagle3.train.launch import command, run_rank
+from eagle3.train.launch import check_node, command, finished, run_rank
 
 __all__ = ["STAGE"]
 
 
 def _run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", restart_on_mismatch: bool = False,
-        replay: str | None = None, online: bool = False, wait_s: float = 900.0) -> TrainedDraft:
-    """Train `cfg` here (one process) or under torchrun (cfg.nproc_per_node > 1, this host)."""
+        replay: str | None = None, online: bool = False, wait_s: float = 900.0, node_rank: int = 0) -> TrainedDraft:
+    """Train `cfg` here (one process) or under torchrun (several: on this host, or this host's part as node
+    `node_rank` of cfg.nnodes, each node running this same call with its own rank)."""
     kw = dict(verifier_name=verifier_name, restart_on_mismatch=restart_on_mismatch, replay=replay, online=online,
               wait_s=wait_s)
-    if cfg.nproc_per_node == 1:
+    check_node(cfg, node_rank)
+    if cfg.world == 1:
         run_rank(cfg, out, hidden=hidden, verifier=verifier, **kw)
-    elif rc := subprocess.call(command(hidden, verifier, out, cfg, **kw)):
-        raise UserError(f"torchrun exited with status {rc}")
+    elif cfg.nnodes > 1 and (done := finished(hidden, verifier, out, cfg, replay, online)) is not None:
+        return done  # the peers would never come to the rendezvous
+    elif rc := subprocess.call(command(hidden, verifier, out, cfg, **kw, node_rank=node_rank)):
+        raise UserError(f"torchrun exited with status {rc}" + (f" on node {node_rank} of {cfg.nnodes} (a peer's "
+                        "failure ends every node's torchrun: see the first error of each node's log)"
+                        if cfg.nnodes > 1 else ""))
     return TrainedDraft.read(out)
 
 
@@ -48,7 +54,7 @@ def headline(m: TrainedDraft) -> str:
 
 
 STAGE = Stage(
-    name="train", help="stage 4: train the EAGLE-3 draft (torchrun for N > 1 processes)",
+    name="train", help="stage 4: train the EAGLE-3 draft (torchrun for N > 1 processes, on one node or several)",
     config=TrainConfig, manifest=TrainedDraft, gpu=True,  # not locked here: rank 0 holds the lock
     aliases={"export_format": "--format"},
     flags=(
@@ -64,6 +70,8 @@ STAGE = Stage(
                           "(`eagle3 produce`)")),
         ("--wait-s", dict(type=float, default=900.0, help="online: fail when the producer has shown no sign of life "
                           "for this many seconds while the trainer waits on it")),
+        ("--node-rank", dict(type=int, default=0, help="nnodes above 1: this node, 0..nnodes-1 (every node runs the "
+                             "same command and config with its own rank; they meet at rdzv_endpoint)")),
     ),
     run=_run, inputs=_inputs, summary=summary, headline=headline,
 )

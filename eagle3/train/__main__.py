@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     STAGE.add_to(p)
     a = p.parse_args(argv)
     try:
-        run_rank(STAGE.cfg(a), a.out, **STAGE.args(a))
+        args = STAGE.args(a)
+        args.pop("node_rank")  # `eagle3 train`'s: torchrun gives this process its RANK
+        run_rank(STAGE.cfg(a), a.out, **args)
     except (ValueError, FileNotFoundError, LockedError) as e:
         print(f"eagle3 train (rank {int(os.environ.get('RANK', '0'))}): error: {e}", file=sys.stderr)
         return 2

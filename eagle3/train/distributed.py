@@ -5,9 +5,8 @@ Runs under `torchrun` (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR in the envir
 one plain process. gloo on CPU, nccl on CUDA. Parallelism is applied to a built model by
 `wrap`: DDP, or FSDP2 (`fully_shard`; the trainer offers it on CUDA).
 
-Multi-node: pass torchrun's own flags through, e.g.
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \
-             --rdzv-endpoint HOST:29500 -m eagle3.train ...
+Several nodes: torchrun over a c10d rendezvous (eagle3/train/launch.py builds its flags); RANK is global,
+so rank 0 is one process over every node.
 """
 from __future__ import annotations
 

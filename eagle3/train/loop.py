@@ -191,7 +191,7 @@ def inputs(hidden_dir: str | Path, verifier_dir: str | Path, cfg: TrainConfig,
         "hidden_states": (SpoolSource.read(hidden_dir) if online else HiddenStates.read(hidden_dir)).fingerprint,
         "verifier": VerifierWeights.read(verifier_dir).fingerprint,
         "init_from": sha256_file(Path(cfg.init_from) / "model.safetensors") if cfg.init_from else None,
-        "config": cfg.model_dump(mode="json"),
+        "config": cfg.identity(),
         **({"replay": replay.fingerprint} if replay is not None else {}),
     }
 
@@ -237,8 +237,9 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         ver = VerifierWeights.read(verifier_dir)
         rs = load_replay(cfg, replay, hidden, hidden_dir, world)
         fp = inputs(hidden_dir, verifier_dir, cfg, rs, online)
-        # every rank reads it: a rank that went on alone would wait forever for the others' collectives
-        if (done := finished(out, fp)) is not None:
+        # every rank takes rank 0's answer: a rank that went on alone would wait forever for the others'
+        # collectives, and on several nodes each host's view of the shared out dir may lag another's
+        if (done := dist.broadcast_object(finished(out, fp) if world.main else None, world)) is not None:
             if online and world.main:
                 spool.Spool(hidden_dir).set_position(0, done=True)  # a producer started with it may end
             dist.shutdown()
@@ -319,7 +320,7 @@ class Run:
         """Build the draft (seeded: the same init on every rank) and the target head on the device, open the
         stores (a spool's readers when `wait_s` is given: online) and size the run from the train split's packs."""
         self.cfg, self.world, self.hidden, self.out, self.rs, self.fp = cfg, world, hidden, out, rs, fp
-        self.config = cfg.model_dump(mode="json")
+        self.config = cfg.identity()
         self.draft = build_draft(cfg, hidden, verifier_dir).to(world.device)
         # A tied target (SmolLM2, Llama-3.2-1B, ...): the head's lm_head *is* the draft's frozen
         # embedding, one [V, H] fp32 copy instead of two (113 MB for SmolLM2). FSDP shards the
@@ -363,7 +364,8 @@ class Run:
         """(dir, draft state dict, trainer state) of the latest valid checkpoint in `out`, or None. One of
         another config or other inputs is an error, or, with `restart_on_mismatch`, is cleared on rank 0
         together with the metrics, final/, manifest and curves (every rank waits on both sides of that)."""
-        last = ckpt.latest(self.out)
+        # the checkpoint rank 0 finds, on every rank: each host sees the shared out dir through its own cache
+        last = dist.broadcast_object(ckpt.latest(self.out) if self.world.main else None, self.world)
         if last is None:
             return None
         state_dict, state, meta = ckpt.load(last)
