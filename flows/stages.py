@@ -48,6 +48,7 @@ from tasks._online import OnlineSource, PartnerGone, pair_done, producer_inputs,
 from tasks.extract import (
     commit_task,
     extract_range_task,
+    produce_label,
     produce_task,
     publish_range,
     publish_spool,
@@ -250,58 +251,68 @@ def follow(run_id, name: str, log, poll: float = 2.0):
 def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract: ExtractConfig, train: TrainConfig,
                spool_bytes: int, wait_s: float, verifier: str, verifier_name: str = "",
                trust_remote_code: bool = False) -> tuple[SpooledStates, TrainedDraft]:
-    """Online: the producer (into the spool `spool`) and the trainer (into `train_out`) as two tasks submitted
-    side by side, each on its deployment when the GPU stages hop; returns both manifests once both ended.
+    """Online: the producers (extract.workers of them, into the spool `spool`) and the trainer (into `train_out`)
+    as tasks submitted side by side, each on its deployment when the GPU stages hop; returns the spool's and the
+    trainer's manifests once all ended.
 
-    Neither ends without the other (the producer waits while the spool is full, the trainer for its next
-    window), so they run as a pair: when the pair is not done for these inputs (tasks/_online.py) the spool is
-    reset and both run, neither served from the cache. In this process they split the visible devices
-    (the producer's engine first, then the trainer's processes); hopped, each flow run splits them the same
-    way."""
+    None ends without the others (a producer waits while the spool is full, the trainer for its next window),
+    so they run as a pair: when the pair is not done for these inputs (tasks/_online.py) the spool is reset
+    and all run, none served from the cache. In this process they split the visible devices (each producer's
+    engine in turn, then the trainer's processes); hopped, each flow run (each producer on the GPU worker that
+    takes it: its own host) splits its host's devices the same way."""
     log = get_run_logger()
     if train.nnodes > 1:  # the producer and the trainer split one host's devices
         raise ValueError(f"online training runs on one node; train.nnodes is {train.nnodes} (use mode offline)")
     suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
     online = OnlineSource(extract=extract, spool_bytes=spool_bytes, wait_s=wait_s)
-    inputs = {"produce": dict(model=model, prepared=prepared, out=spool, cfg=extract, train=train,
-                              spool_bytes=spool_bytes, wait_s=wait_s, trust_remote_code=trust_remote_code),
-              "train": dict(hidden=spool, verifier=verifier, out=train_out, cfg=train, verifier_name=verifier_name,
-                            model=model, prepared=prepared, trust_remote_code=trust_remote_code, online=online)}
+    n = extract.workers
+    common = dict(model=model, prepared=prepared, out=spool, cfg=extract, train=train, spool_bytes=spool_bytes,
+                  wait_s=wait_s, trust_remote_code=trust_remote_code)
+    # one producer: as before (no part); several: each its part, named "produce k/N"
+    sides = {produce_label(k, n): ("produce", {**common, **({"part": k} if n > 1 else {})}) for k in range(n)}
+    sides["train"] = ("train", dict(hidden=spool, verifier=verifier, out=train_out, cfg=train,
+                                    verifier_name=verifier_name, model=model, prepared=prepared,
+                                    trust_remote_code=trust_remote_code, online=online))
     fp = producer_inputs(model, prepared, extract, train, spool_bytes, trust_remote_code)
     rerun = not pair_done(spool, train_out, fp, verifier, train)
     if rerun:
         reset_spool(spool)
     t0 = time.monotonic()
+    what = "produce" if n == 1 else f"produce ({n} producers)"
     if suffix:
-        log.info("produce + train (online): started side by side on deployments eagle3-produce/produce-%s and "
-                 "eagle3-train/train-%s; spool %s (cap %s bytes), output %s", suffix, suffix, spool,
+        log.info("%s + train (online): started side by side on deployments eagle3-produce/produce-%s and "
+                 "eagle3-train/train-%s; spool %s (cap %s bytes), output %s", what, suffix, suffix, spool,
                  f"{spool_bytes:,}", train_out)
         jobs = {"env": {"PREFECT_TASKS_REFRESH_CACHE": "true"}} if rerun else None  # the stage flows' tasks too
-        futures = {n: hop_task(n).submit(n, f"eagle3-{n}/{n}-{suffix}", as_params(args), jobs)
-                   for n, args in inputs.items()}
+        futures = {label: hop_task(stage, label).submit(label, f"eagle3-{stage}/{stage}-{suffix}", as_params(args),
+                                                        jobs)
+                   for label, (stage, args) in sides.items()}
         for f in futures.values():
             f.wait()
         mem = ""  # each side ran in its deployment's process
     else:
-        log.info("produce + train (online): started side by side; spool %s (cap %s bytes), output %s", spool,
+        log.info("%s + train (online): started side by side; spool %s (cap %s bytes), output %s", what, spool,
                  f"{spool_bytes:,}", train_out)
-        devices = split_devices(online.producer_slots, train.nproc_per_node) or [None, None]
-        with PeakRSS() as peak:  # the two share this process: one peak for both
-            futures = {n: (TABLE[n].task.with_options(refresh_cache=True) if rerun else TABLE[n].task).submit(
-                **args, devices=d) for (n, args), d in zip(inputs.items(), devices, strict=True)}
+        devices = split_devices(*[online.producer_slots] * n, train.nproc_per_node) or [None] * (n + 1)
+        with PeakRSS() as peak:  # they share this process: one peak for all
+            futures = {}
+            for (label, (stage, args)), d in zip(sides.items(), devices, strict=True):
+                t = TABLE[stage].task.with_options(task_run_name=label)
+                futures[label] = (t.with_options(refresh_cache=True) if rerun else t).submit(**args, devices=d)
             for f in futures.values():
                 f.wait()
         mem = f", {peak.line()}"
-    failed = [(n, f.state) for n, f in futures.items() if not f.state.is_completed()]
-    if failed:  # the side that failed first is the cause; the other one's PartnerGone follows from it
-        n, state = next(((n, s) for n, s in failed if "PartnerGone" not in (s.message or "")), failed[0])
-        log.error("online: %s; raising %s's error", ", ".join(f"{m} ended {s.name}" for m, s in failed), n)
+    failed = [(label, f.state) for label, f in futures.items() if not f.state.is_completed()]
+    if failed:  # the side that failed first is the cause; the others' PartnerGone follows from it
+        label, state = next(((lb, s) for lb, s in failed if "PartnerGone" not in (s.message or "")), failed[0])
+        log.error("online: %s; raising %s's error", ", ".join(f"{m} ended {s.name}" for m, s in failed), label)
         state.result()  # raises the task's own exception
-    ms = {"produce": SpooledStates.read(spool), "train": TrainedDraft.read(train_out)}
-    for n, m in ms.items():
-        how = "cached (inputs unchanged)" if futures[n].state.name == "Cached" else "done"
-        TABLE[n].publish(m, inputs[n]["out"])
-        log.info("%s: %s in %s%s: %s", n, how, hms(time.monotonic() - t0), mem, TABLE[n].headline(m))
+    ms = {"produce": SpooledStates.read(spool), "train": TrainedDraft.read(train_out)}  # the spool's: every producer's
+    for stage, m in ms.items():
+        mine = [f for label, f in futures.items() if sides[label][0] == stage]
+        how = "cached (inputs unchanged)" if all(f.state.name == "Cached" for f in mine) else "done"
+        TABLE[stage].publish(m, spool if stage == "produce" else train_out)
+        log.info("%s: %s in %s%s: %s", stage, how, hms(time.monotonic() - t0), mem, TABLE[stage].headline(m))
     return ms["produce"], ms["train"]
 
 
@@ -374,13 +385,15 @@ def train(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name:
 
 @flow(name="eagle3-produce")
 def produce(model: str, prepared: str, out: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
-            wait_s: float = 900.0, trust_remote_code: bool = False) -> SpooledStates:
+            wait_s: float = 900.0, trust_remote_code: bool = False, part: int | None = None) -> SpooledStates:
     """Online, beside an eagle3-train run reading the spool `out`: fill it with the target's hidden states in
-    the read order of `train`, as the trainer reads them (the spool never holds more than spool_bytes)."""
+    the read order of `train`, as the trainer reads them (the spool never holds more than spool_bytes). `part`:
+    producer `part` of cfg.workers (its own windows; a pipeline starts one flow run per producer). On this
+    host it takes the first devices (the trainer's flow run, on the same host, takes those after them)."""
     devices = (split_devices(cfg.tensor_parallel_size * cfg.pipeline_parallel_size, train.nproc_per_node)
                or [None, None])[0]
-    return _done("produce", own("produce", out)(model, prepared, out, cfg, train, spool_bytes, wait_s,
-                                                trust_remote_code, devices), out)
+    m = own("produce", out)(model, prepared, out, cfg, train, spool_bytes, wait_s, trust_remote_code, devices, part)
+    return _done("produce", m, out)
 
 
 @flow(name="eagle3-eval")

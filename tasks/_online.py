@@ -1,11 +1,12 @@
-"""What the online pair (the producer task and the train task, side by side through a spool) shares: the
-producer's inputs, the trainer's view of its producer, when the pair must run again, and how a side that
+"""What the online pair (the producer tasks and the train task, side by side through a spool) shares: the
+producers' inputs, the trainer's view of its producers, when the pair must run again, and how a side that
 lost its partner for good fails.
 
-The two tasks are cached one by one, but they only work together: a producer that returns its cached
-result leaves a trainer that must train waiting for shards that never come, and the other way round.
-So before either starts, the flow asks `pair_done`; when the pair is not done, it resets the spool
-(`reset_spool`) and runs both, neither served from the cache.
+The tasks (extract.workers producers and the trainer) are cached one by one, but they only work together:
+a producer that returns its cached result leaves a trainer that must train waiting for shards that never
+come, and the other way round. So before any starts, the flow asks `pair_done` (the spool's manifest is
+written once every producer ended); when the pair is not done, it resets the spool (`reset_spool`) and runs
+them all, none served from the cache.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class OnlineSource(BaseModel):
 
     @property
     def producer_slots(self) -> int:
-        """The devices the producer's engine uses: its tensor x pipeline parallel ranks."""
+        """The devices one producer's engine uses: its tensor x pipeline parallel ranks (with extract.workers
+        producers, each takes that many: on one host, side by side; hopped, each on its own host)."""
         return self.extract.tensor_parallel_size * self.extract.pipeline_parallel_size
 
 
@@ -61,14 +63,18 @@ def pair_done(spool: str | Path, train_out: str | Path, producer: dict[str, Any]
 
 
 def reset_spool(spool: str | Path) -> None:
-    """Start the spool over for a pair that runs again: its manifest, source.json, plan.json and the trainer's
-    position go. A finished spool's manifest would end the producer at once; an earlier run's source.json
-    would be read by a trainer that starts before the new producer writes its own. The producer drops the
-    shards of a plan it did not write; a trainer that resumes from a checkpoint moves the position there."""
+    """Start the spool over for a pair that runs again: its manifest, every producer's stats, source.json,
+    plan.json and the trainer's position go. A finished spool's manifest would end the producers at once; an
+    earlier run's stats would be merged into the new manifest by the last producer to end (one that starts
+    late, owning no window, may end after the others); an earlier run's source.json would be read by a
+    trainer that starts before the new producers write their own. The producers drop the shards of a plan
+    they did not write; a trainer that resumes from a checkpoint moves the position there."""
     from eagle3.storage.spool import PLAN, POSITION
 
-    for name in ("manifest.json", SpoolSource.FILE, PLAN, POSITION):
-        (Path(spool) / name).unlink(missing_ok=True)
+    root = Path(spool)
+    for f in [*(root / n for n in ("manifest.json", SpoolSource.FILE, PLAN, POSITION)),
+              *root.glob("producer*.stats.json")]:
+        f.unlink(missing_ok=True)
 
 
 class PartnerGone(RuntimeError):

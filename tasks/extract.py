@@ -146,9 +146,15 @@ def commit_task(model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: 
 
 # ---------------------------------------------------------------- online: the producer
 def _produce_key(i: dict[str, Any]) -> dict[str, Any]:
-    return {"format": SpooledStates.format_version,
+    # each producer of several is its own task run: their keys differ by the part
+    return {"format": SpooledStates.format_version, **({"part": i["part"]} if i.get("part") is not None else {}),
             **producer_inputs(i["model"], i["prepared"], i["cfg"], i["train"], i["spool_bytes"],
                               i.get("trust_remote_code", False))}
+
+
+def produce_label(part: int | None, parts: int) -> str:
+    """How a producer shows in task and flow run names: "produce", or 1-based "produce 1/4" of several."""
+    return "produce" if parts == 1 else f"produce {(part or 0) + 1}/{parts}"
 
 
 def spool_table(m: SpooledStates) -> list[dict[str, Any]]:
@@ -229,20 +235,24 @@ class Pace:
       retry_delay_seconds=10, retry_condition_fn=retry_unless_gone)
 def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
                  wait_s: float = 900.0, trust_remote_code: bool = False,
-                 devices: list[str] | None = None) -> SpooledStates:
+                 devices: list[str] | None = None, part: int | None = None) -> SpooledStates:
     """Online: fill the spool `out` with the target's hidden states in the read order of the trainer of `train`,
-    which runs beside this task; end once it has read every window. `devices`: the GPUs of the producer's
-    engine (CUDA_VISIBLE_DEVICES), of those the trainer does not use; None: whatever the process sees.
-    A retry resumes: windows the trainer still needs stay, production restarts at its position."""
+    which runs beside this task; end once it has read every window. `part`: with cfg.workers producers, this is
+    producer `part` (its own windows only; the spool's manifest is the last one's). `devices`: the GPUs of the
+    producer's engine (CUDA_VISIBLE_DEVICES), of those the trainer and the other producers do not use; None:
+    whatever the process sees. A retry resumes: windows the trainer still needs stay, production restarts at
+    its position."""
     from eagle3.extract.online import produce
     from eagle3.storage.spool import TRAINER_BEAT
 
     log, since = get_run_logger(), time.time()
     order = train.read_order(train.world)
-    trainer_slots = train.nproc_per_node if devices is not None else gpu_slots()  # what the train task holds
-    with hold_gpus(devices, beside=trainer_slots), cuda_devices(devices), Pace(log, spool_bytes) as pace:
+    # what the train task (and, in this process, the other producers) hold beside this one
+    engine = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    beside = train.nproc_per_node + (cfg.workers - 1) * engine if devices is not None else gpu_slots()
+    with hold_gpus(devices, beside=beside), cuda_devices(devices), Pace(log, spool_bytes) as pace:
         try:
-            m = produce(model, prepared, out, cfg, order, spool_bytes, wait_s=wait_s, progress=pace,
+            m = produce(model, prepared, out, cfg, order, spool_bytes, part=part, wait_s=wait_s, progress=pace,
                         trust_remote_code=trust_remote_code)
         except RuntimeError as e:
             if partner_gone(out, TRAINER_BEAT, wait_s, since):

@@ -62,10 +62,10 @@ def cli(*args: str, log: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def producer(root: Path, spool: Path, *extra: str, model: Path) -> subprocess.Popen:
+def producer(root: Path, spool: Path, *extra: str, model: Path, log: str = "produce") -> subprocess.Popen:
     return cli("produce", "--model", str(model), "--prepared", str(root / "prep"), "--out", str(spool),
                "--train-config", str(root / "train.json"), "--spool-bytes", str(SPOOL), "--wait-s", "120", *extra,
-               log=spool.with_suffix(".produce.log"))
+               log=spool.with_suffix(f".{log}.log"))
 
 
 def trainer(root: Path, hidden: Path, out: Path, *extra: str, online: bool = True) -> subprocess.Popen:
@@ -109,15 +109,17 @@ def same_run(a: Path, b: Path) -> None:
 
 
 class Watch:
-    """The spool's bytes on disk, sampled every few ms while the block runs: the most it ever held."""
+    """The spool's bytes on disk, sampled every few ms while the block runs: the most it ever held, and how many
+    windows were being written at once (the producers' reservations)."""
 
     def __init__(self, root: Path):
-        self.root, self.peak, self.samples, self._stop = root, 0, 0, threading.Event()
+        self.root, self.peak, self.samples, self.in_flight, self._stop = root, 0, 0, 0, threading.Event()
 
     def __enter__(self):
         def poll():
             while not self._stop.is_set():
                 self.peak = max(self.peak, sp.spool_dir_bytes(self.root))
+                self.in_flight = max(self.in_flight, len(list(self.root.glob("producer*.reserve"))))
                 self.samples += 1
                 time.sleep(0.002)
 
@@ -158,6 +160,13 @@ def test_plan_covers_every_step_in_order_and_fits_the_budget():
     assert sp.plan(src, TrainConfig(pack_tokens=512, epochs=3, grad_accum=2, seed=1).read_order(2),
                    1_500_000, 100).key != p.key
     assert sp.plan(src, order, 2_000_000, 100).key != p.key
+    # two producers: windows of a third of the room, so two are written while the trainer reads a third; the
+    # trainer learns the number from plan.json, and it is in the key
+    two = sp.plan(src, order, 1_500_000, 100, producers=2)
+    assert len(two.train) > len(p.train) and two.key != p.key and two.to_json()["producers"] == 2
+    assert all(two.val.bytes + a.bytes + b.bytes + c.bytes <= two.spool_bytes
+               for a, b, c in zip(two.train, two.train[1:], two.train[2:], strict=False))
+    assert [two.owner(w) for w in two.windows()[:4]] == [1, 0, 1, 0]  # val: the last producer's; then j % 2
 
 
 def test_plan_refuses_a_budget_that_cannot_hold_one_step():
@@ -166,6 +175,50 @@ def test_plan_refuses_a_budget_that_cannot_hold_one_step():
                                          r"\(24,352 bytes stored\) beside the val shard \(14,352 bytes\); give it "
                                          r"at least 63,056 bytes"):
         sp.plan(src, TrainConfig(pack_tokens=200, epochs=1).read_order(1), 20_000, 100)
+
+
+def test_the_cap_counts_every_reservation_and_the_trainer_waits_on_the_window_owner(tmp_path):
+    """Several producers: a reserved window counts at its planned size (its growing temp file is not counted
+    twice) until released; the trainer waiting for a window fails once that window's producer is silent, though
+    another beats, and on any producer's error."""
+    src = _source([100] * 40, [50] * 4)
+    p = sp.plan(src, TrainConfig(pack_tokens=200, epochs=1).read_order(1), 200_000, 100, producers=2)
+    s = sp.Spool(tmp_path)
+    (tmp_path / "shards").mkdir()
+    (tmp_path / p.train[0].file).write_bytes(b"x" * 1000)  # committed shard of window 0
+    with s.locked():
+        s.reserve("producer-1", p.train[1])
+    (tmp_path / "shards" / f".{p.train[1].name}.safetensors.ab12.tmp").write_bytes(b"x" * 500)  # being written
+    assert s.held() == 1000 + p.train[1].bytes
+    assert s.held(p.train[2]) == 1000 + p.train[1].bytes + p.train[2].bytes
+    s.release("producer-1")
+    assert s.held() == sp.spool_dir_bytes(tmp_path) == 1500
+
+    def waiting_for(step: int, wait_s: float) -> sp.SpoolReader:
+        waits = [sp.Waiter(tmp_path, f"producer-{k}.beat", wait_s, "the next shard", sp.PRODUCER_ERRORS)
+                 for k in range(2)]
+        r = sp.SpoolReader(s, p, "train", src.lengths["train"], waits, main=True, barrier=lambda: None)
+        r.at(step)
+        return r
+
+    def show_up() -> None:  # a trainer that does not fail ends (failing the test) once the windows are there
+        for w in p.train[1:3]:
+            (tmp_path / w.file).write_bytes(b"x")
+            (tmp_path / w.record).write_text(json.dumps({"key": sp.window_key(p, w)}))
+
+    later = threading.Timer(10, show_up)
+    later.start()
+    with sp.beating(tmp_path / "producer-0.beat", tmp_path / sp.PRODUCER_BEAT):  # producer 0 lives, 1 is silent
+        r = waiting_for(p.train[1].first, 0.5)
+        with pytest.raises(RuntimeError, match=r"the producer-1 has shown no sign of life for \d+ s \(producer-1.beat"):
+            r[p.train[1].rows[0]]
+        err = tmp_path / "producer-1.error"
+        err.write_text("RuntimeError: engine died")
+        os.utime(err, (time.time() - sp.ERROR_GRACE - 1,) * 2)  # no restart of producer 1 cleared it in time
+        r = waiting_for(p.train[2].first, 60)  # producer 0's window; producer 1's error fails it all the same
+        with pytest.raises(RuntimeError, match=r"the producer-1 failed \(producer-1.error\): RuntimeError: engine"):
+            r[p.train[2].rows[0]]
+    later.cancel()
 
 
 # ---------------------------------------------------------------- the pair
@@ -231,6 +284,39 @@ def test_kills_of_producer_and_trainer_resume_to_the_same_bytes(stages, tiny_lla
     same_run(out, stages / "ref")
     st = json.loads((spool / "manifest.json").read_text())["stats"]
     assert st["windows_written_again"] >= 1 and st["peak_spool_bytes"] <= SPOOL
+
+
+def test_two_producers_equal_one_bitwise_share_the_cap_and_resume_a_kill(stages, tiny_llama_dir):
+    """Two producers (--workers 2, --part 0 and 1, each its own engine) fill one spool: they write two windows at
+    once while the trainer reads a third, the spool sampled from outside never holds more than its cap, producer 1
+    SIGKILLed mid-window (its first, the val window) and restarted clears what it left and writes its own windows,
+    and the head is the offline one (and so the one-producer one: the test above) bitwise."""
+    spool, out = stages / "spool-2", stages / "online-2"
+    with Watch(spool) as watch:
+        prods = [producer(stages, spool, *EXTRACT, "--workers", "2", "--part", str(k), model=tiny_llama_dir,
+                          log=f"produce-{k}") for k in range(2)]
+        tr = trainer(stages, spool, out)
+        _until(lambda: (spool / "producer-1.reserve").is_file(), [*prods, tr])
+        kill(prods[1])  # mid-window: its reservation (and maybe a temp file) stay behind
+        prods[1] = producer(stages, spool, *EXTRACT, "--workers", "2", "--part", "1", model=tiny_llama_dir,
+                            log="produce-1b")
+        wait(tr)
+        for p in prods:
+            wait(p)
+    same_run(out, stages / "ref")
+    p = json.loads((spool / sp.PLAN).read_text())
+    m = json.loads((spool / "manifest.json").read_text())
+    st = m["stats"]
+    assert p["producers"] == 2 and m["inputs"]["producers"] == 2 and m["num_windows"] >= 8
+    assert watch.samples > 100 and 0 < watch.peak <= SPOOL and st["peak_spool_bytes"] <= SPOOL
+    assert watch.in_flight == 2  # both producers wrote at once
+    # each wrote each of its windows once (producer 0 the even train windows; producer 1 the val window and the
+    # odd ones, in its restarted run: the killed one committed none)
+    first, second = st["producers"]
+    even = sum(w["split"] == "train" and w["index"] % 2 == 0 for w in p["windows"])
+    assert (first["windows_written"], second["windows_written"]) == (even, m["num_windows"] - even)
+    assert st["windows_written"] == m["num_windows"] and st["windows_written_again"] == 0
+    assert not list((spool / "shards").iterdir()) and not list(spool.glob("*.reserve"))
 
 
 def _plan(spool: Path) -> sp.Plan:

@@ -158,7 +158,7 @@ def task_runs(client, run) -> dict:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     trs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-    return {t.name: t for t in trs if t.name in (*ps.STAGES, "produce")}
+    return {t.name: t for t in trs if t.name in ps.STAGES or t.name.startswith("produce")}
 
 
 def subflows(client, run) -> dict:
@@ -243,14 +243,17 @@ def test_online_pipeline_as_deployed_runs_both_sides_at_once(client, deployed):
 
 
 def test_online_retries_resume_to_the_same_bytes_and_a_rerun_is_cached(service, client, deployed, tiny_llama_dir):
-    """In the cpu worker's flow run (no hop): the producer fails once midway (EAGLE3_FAIL_ONCE) and the trainer
-    is SIGKILLed at its 7th step (EAGLE3_KILL_AT, after the step-4 checkpoint); each is retried by Prefect
-    (run count 2) and resumes, and the draft is still the offline one byte for byte. The same parameters again:
-    both served from the cache; another learning rate: both run again. A `gpus` limit smaller than the pair's
-    slots is refused, not waited on."""
+    """In the cpu worker's flow run (no hop), with two producers (extract.workers: 2, two produce tasks beside the
+    train task): one producer fails once midway (EAGLE3_FAIL_ONCE) and the trainer is SIGKILLed at its 7th step
+    (EAGLE3_KILL_AT, after the step-4 checkpoint); each is retried by Prefect (run count 2) and resumes, and the
+    draft is still the one-producer run's byte for byte. The same parameters again: all served from the cache;
+    another learning rate: all run again. A `gpus` limit smaller than the pair's slots is refused, not waited
+    on."""
     root, first, *_ = deployed
     ref = weights(first)
-    cfg = config(root, tiny_llama_dir, "online").model_copy(update={"run_dir": str(root / "online-retried")})
+    cfg = config(root, tiny_llama_dir, "online")
+    cfg = cfg.model_copy(update={"run_dir": str(root / "online-retried"),
+                                 "extract": cfg.extract.model_copy(update={"workers": 2})})
     params = {"config": cfg.model_dump(mode="json")}
     produce_marker, train_marker = root / "produce-failed-once", root / "train-killed-once"
     drills = {**LOCAL, "EAGLE3_FAIL_ONCE": f"produce:{produce_marker}", "EAGLE3_KILL_AT": "train.step:7",
@@ -260,15 +263,18 @@ def test_online_retries_resume_to_the_same_bytes_and_a_rerun_is_cached(service, 
     assert run.state.is_completed(), logs(client, run)[-4000:]
     took = time.time() - t0
     assert produce_marker.is_file() and train_marker.is_file()
-    assert weights(cfg) == ref  # the uninterrupted run's draft, byte for byte
-    check_spool(cfg)
+    assert weights(cfg) == ref  # the uninterrupted one-producer run's draft, byte for byte
+    assert len(check_spool(cfg)["stats"]["producers"]) == 2
     trs = task_runs(client, run)
-    assert {n: (t.state.name, t.run_count) for n, t in trs.items()} == {
-        "prepare": ("Completed", 1), "verifier": ("Completed", 1), "produce": ("Completed", 2),
-        "train": ("Completed", 2), "eval": ("Completed", 1)}
+    producers = ("produce 1/2", "produce 2/2")
+    assert {n: (t.state.name, t.run_count) for n, t in trs.items() if n not in producers} == {
+        "prepare": ("Completed", 1), "verifier": ("Completed", 1), "train": ("Completed", 2), "eval": ("Completed", 1)}
+    assert [trs[n].state.name for n in producers] == ["Completed"] * 2
+    assert sorted(trs[n].run_count for n in producers) == [1, 2]  # the drill fails the first to get halfway
     assert not subflows(client, run)
-    p, t = trs["produce"], trs["train"]
-    assert overlap((p.start_time, p.end_time), (t.start_time, t.end_time)) > 0
+    t = trs["train"]
+    for p in (trs[n] for n in producers):
+        assert overlap((p.start_time, p.end_time), (t.start_time, t.end_time)) > 0
     assert "produce: injected transient failure" in logs(client, run)
     assert "produce-stats" in artifacts(client, run)
 
@@ -276,7 +282,7 @@ def test_online_retries_resume_to_the_same_bytes_and_a_rerun_is_cached(service, 
     again = trigger(client, "eagle3-pipeline/eagle3-pipeline", params, {"env": LOCAL})
     assert again.state.is_completed(), logs(client, again)[-4000:]
     assert {n: t.state.name for n, t in task_runs(client, again).items()} == dict.fromkeys(
-        ("prepare", "verifier", "produce", "train", "eval"), "Cached")
+        ("prepare", "verifier", *producers, "train", "eval"), "Cached")
     cached = time.time() - t1
 
     # Another learning rate: the producer's inputs (its read order) are unchanged and its task would be served
@@ -293,7 +299,7 @@ def test_online_retries_resume_to_the_same_bytes_and_a_rerun_is_cached(service, 
                     {"env": LOCAL})
     assert other.state.is_completed(), logs(client, other)[-4000:]
     assert {n: t.state.name for n, t in task_runs(client, other).items()} == {
-        "prepare": "Cached", "verifier": "Cached", "produce": "Completed", "train": "Completed",
+        "prepare": "Cached", "verifier": "Cached", **dict.fromkeys(producers, "Completed"), "train": "Completed",
         "eval": "Completed"}
     assert weights(lr) != ref
     relearned = time.time() - t2

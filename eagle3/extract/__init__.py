@@ -90,14 +90,15 @@ def _produce(a) -> None:
             bar.set_postfix_str(f"spool {held / 2**20:,.1f}/{spool_bytes / 2**20:,.1f} MiB")
 
         m = produce(a.model, a.prepared, a.out, cfg, train.read_order(a.world or train.world), spool_bytes,
-                    wait_s=a.wait_s, progress=progress, trust_remote_code=a.trust_remote_code)
+                    part=a.part, wait_s=a.wait_s, progress=progress, trust_remote_code=a.trust_remote_code)
     print(json.dumps({"out": a.out, "spool_bytes": m.spool_bytes, "windows": m.num_windows, **m.stats}, indent=1))
 
 
 PRODUCE = Command(
     name="produce", help="online: fill a trainer's spool with the target's hidden states as it reads them "
     "(run `eagle3 train --online --hidden SPOOL` beside it)",
-    main=_produce, config=ExtractConfig, locked=True, aliases=STAGE.aliases,
+    # not one writer per --out: several producers share it (each part is locked on its own, in `produce`)
+    main=_produce, config=ExtractConfig, aliases=STAGE.aliases,
     flags=(MODEL, PREPARED, ("--out", dict(required=True, help="the spool dir (the trainer's --hidden)")), TRUST,
            ("--config", dict(default=None, help="a pipeline config (its extract and train sections and spool_bytes) "
                              "or an extract config; flags override it")),
@@ -107,5 +108,8 @@ PRODUCE = Command(
            ("--spool-bytes", dict(type=int, default=None, help="the spool's cap in bytes (default: the config's "
                                   "spool_bytes, 4 GiB)")),
            ("--wait-s", dict(type=float, default=900.0, help="fail when the trainer has shown no sign of life for "
-                             "this many seconds while the producer waits on it"))),
+                             "this many seconds while the producer waits on it")),
+           ("--part", dict(type=int, default=None, help="several workers: this is producer K (0 to --workers - 1) of "
+                           "those filling the spool at once (one per host, each its own engine; the spool on storage "
+                           "they share)"))),
 )

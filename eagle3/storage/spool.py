@@ -5,33 +5,62 @@ Layout of a spool dir (a pipeline's extract dir in online mode):
 
     source.json                       SpoolSource: model, layer ids, storage, every sample's token count
                                       (the producer writes it first; the trainer waits for it)
-    plan.json                         the windows, the budget and the read order they were cut for
+    plan.json                         the windows, the budget, the number of producers and the read order
     position.json                     the trainer's position: the first train window it still needs
+    spool.lock                        the producers' lock around "check the budget + reserve a window"
+    producer.lock                     held by the running producer (a second one of the same part fails)
     shards/val-00000.safetensors      the samples validation reads, kept for the whole run
     shards/train-{j:05d}.safetensors  window j: every sample that optimizer steps [first, end) read
     shards/{name}.json                a shard's commit record (key, sha256, bytes), written after it
-    producer.beat, trainer.beat       touched every few seconds by a live producer / trainer
+    producer.beat, trainer.beat       touched every few seconds by a live producer (any) / the trainer
     producer.error, trainer.error     the error a side failed with (cleared when it starts again)
-    manifest.json                     SpooledStates: the producer's, once the trainer read every window
+    producer.reserve                  the window a producer is writing and its planned bytes
+    producer.stats.json               a producer's own figures, once the trainer is done
+    manifest.json                     SpooledStates: every producer's, once the trainer read every window
 
 Shards are the store's own format (`eagle3.storage.store.ShardWriter`), checksummed. The trainer's read
 order is a pure function of the samples' lengths and its order settings (`eagle3.storage.order`), so
-the producer knows before the trainer starts which samples each step reads, and both sides compute the
-same windows from the same `Order`; the trainer refuses a plan.json that differs from its own.
+the producers know before the trainer starts which samples each step reads, and both sides compute the
+same windows from the same `Order`, budget and number of producers (the trainer reads the last two from
+plan.json); the trainer refuses a plan.json that differs from its own.
+
+Several producers (`extract.workers = N`, producer k of N: `part=k`) fill one spool, each with its
+own engine, on hosts that all see the spool dir. Producer k owns the train windows j with j % N == k (and
+producer N - 1 the val window, so that producer 0 starts on train window 0 beside it): it writes only
+those, under its own name `producer-k` (its .beat, .error, .lock, .reserve and .stats.json; with one
+producer the name is `producer`). Any producer deletes the windows
+behind the trainer's position (under spool.lock, which orders it against reservations): a producer busy
+computing a window, or killed, then holds no room the trainer has left. The last producer to finish
+merges every producer's stats.json into manifest.json (`SpooledStates.read(spool)`). Every live
+producer also touches producer.beat, so the trainer fails when all producers are silent for wait_s, when
+the owner of the window it waits for is, or when any producer's error file stays past ERROR_GRACE.
 
 Budget: the val shard plus the train shards on disk (temp files included) never exceed `spool_bytes`.
-The producer writes window j only when the shards on disk plus j's planned size fit; windows are cut at
-half of what the val shard leaves, so one can be written while the trainer reads the one before.
+A producer writes a window only after reserving it under spool.lock (an flock, so producers on several
+hosts of one shared file system and several in one process exclude each other): it checks that the
+shards on disk plus every reservation (a reserved window counts at its planned size, or at what of it is
+on disk when that is more) plus this window's planned size fit, then writes `{name}.reserve`, which counts
+until the window is committed. A producer (re)starting clears its own reservation and temp files.
+Reservations are taken in the trainer's read order: a producer reserves only the first window (val, then
+train from the trainer's position) that is neither committed nor reserved, when it owns it. So the room
+always goes to the window the trainer needs first: no window ahead can starve an earlier one.
+Windows are cut at 1 / (N + 1) of what the val shard leaves, so N windows can be written while the
+trainer reads one (with one producer: half).
 Resume: position.json moves back to a resumed trainer's checkpoint; windows it needs again are
 produced again (the same bytes: a window is a pure function of its samples), and windows produced
-ahead of it are evicted, furthest first, when room is needed for an earlier one.
+ahead of it are evicted, furthest first, when room is needed for an earlier one. The producer that needs
+the room evicts, whichever producer wrote them (a committed window has no writer; its owner writes it
+again in its turn): otherwise windows ahead, whose owners have nothing to write, could hold the room of
+an earlier one forever.
 """
 from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -48,9 +77,10 @@ from eagle3.storage.manifests import SpoolSource
 from eagle3.storage.order import epoch_packs, micro_packs, steps_per_epoch, val_packs
 from eagle3.storage.store import SHARD_DIR, as_sample, mmap_shard, shard_meta, shard_problem
 
-PLAN, POSITION = "plan.json", "position.json"
-PRODUCER_BEAT, TRAINER_BEAT = "producer.beat", "trainer.beat"
+PLAN, POSITION, LOCK = "plan.json", "position.json", "spool.lock"
+PRODUCER_BEAT, TRAINER_BEAT = "producer.beat", "trainer.beat"  # producer.beat: touched by every live producer
 PRODUCER_ERROR, TRAINER_ERROR = "producer.error", "trainer.error"
+PRODUCER_ERRORS = "producer*.error"  # every producer's error file (the trainer fails on any)
 BEAT_EVERY = 2.0  # seconds between a live side's touches of its beat file
 POLL = 0.1  # seconds between looks at the spool while waiting
 SAY_EVERY = 30.0  # seconds between the log lines of a side that waits
@@ -108,8 +138,14 @@ class Plan:
     total_steps: int
     val: Window | None
     train: list[Window]
+    producers: int = 1
     key: str = ""
     _firsts: list[int] = field(default_factory=list, repr=False)
+
+    def owner(self, w: Window) -> int:
+        """The producer that writes window `w`: train window j is producer j % N's, the val window the last one's
+        (it is reserved first: producer 0 then starts on train window 0 at once, beside it)."""
+        return self.producers - 1 if w.split == "val" else w.index % self.producers
 
     def window_of(self, step: int) -> int:
         """The train window that optimizer step `step` reads."""
@@ -121,8 +157,9 @@ class Plan:
         return ([self.val] if self.val else []) + self.train
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "spool_bytes": self.spool_bytes, "order": asdict(self.order),
-                "total_steps": self.total_steps, "windows": [asdict(w) for w in self.windows()]}
+        return {"key": self.key, "spool_bytes": self.spool_bytes, "producers": self.producers,
+                "order": asdict(self.order), "total_steps": self.total_steps,
+                "windows": [asdict(w) for w in self.windows()]}
 
 
 def shard_bytes(tokens: int, samples: int, bytes_per_token: int) -> int:
@@ -147,9 +184,15 @@ def step_rows(lengths: Sequence[int], order: Order) -> Iterator[list[int]]:
         epoch += 1
 
 
-def plan(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_token: int) -> Plan:
-    """Cut the run's train reads into windows that fit the budget beside the val shard (see the module doc).
-    A budget that cannot hold the val shard and the largest single step is an error that says what fits."""
+def producer_name(part: int, producers: int) -> str:
+    """Producer `part` of `producers`' name: its beat, error, reservation and stats files are `{name}.*`."""
+    return "producer" if producers == 1 else f"producer-{part}"
+
+
+def plan(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_token: int, producers: int = 1) -> Plan:
+    """Cut the run's train reads into windows that fit the budget beside the val shard, `producers` + 1 at once
+    (see the module doc). A budget that cannot hold the val shard and the largest single step is an error that
+    says what fits."""
     lengths = source.lengths["train"]
     val = None
     vlen = source.lengths.get("val") or []
@@ -158,7 +201,7 @@ def plan(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_token: i
         tokens = sum(vlen[i] for i in rows)
         val = Window("val", 0, 0, 0, rows, tokens, shard_bytes(tokens, len(rows), bytes_per_token))
     room = spool_bytes - (val.bytes if val else 0)
-    cap = room // 2
+    cap = room // (producers + 1)  # N windows written while the trainer reads one
     windows: list[Window] = []
     cur: dict[int, None] = {}  # the open window's samples, in first-read order
     tokens = first = step = 0  # tokens: of `cur`, kept as it grows (no re-sum per step)
@@ -181,9 +224,10 @@ def plan(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_token: i
             raise ValueError(
                 f"spool_bytes {spool_bytes:,} is too small: optimizer step {step} alone reads {len(rows)} samples "
                 f"({need:,} bytes stored){f' beside the val shard ({val.bytes:,} bytes)' if val else ''}; "
-                f"give it at least {2 * need + (val.bytes if val else 0):,} bytes to overlap two windows")
+                f"give it at least {(producers + 1) * need + (val.bytes if val else 0):,} bytes to overlap "
+                f"{'two' if producers == 1 else producers + 1} windows")
     cut(step + 1)
-    p = Plan(spool_bytes, order, step + 1, val, windows)
+    p = Plan(spool_bytes, order, step + 1, val, windows, producers)
     p.key = sha256_json({"source": source.fingerprint, **{k: v for k, v in p.to_json().items() if k != "key"}})
     return p
 
@@ -195,19 +239,20 @@ def window_key(p: Plan, w: Window) -> str:
 
 # ---------------------------------------------------------------- life signs
 @contextlib.contextmanager
-def beating(path: Path) -> Iterator[None]:
-    """Touch `path` every BEAT_EVERY seconds while the block runs (a thread: a side busy loading a model or in
-    a long step still shows it is alive); a dead process stops touching it."""
+def beating(*paths: Path) -> Iterator[None]:
+    """Touch `paths` every BEAT_EVERY seconds while the block runs (a thread: a side busy loading a model or in
+    a long step still shows it is alive); a dead process stops touching them."""
     stop = threading.Event()
 
     def touch() -> None:
         while True:
-            with contextlib.suppress(OSError):
-                path.touch()
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    path.touch()
             if stop.wait(BEAT_EVERY):
                 return
 
-    t = threading.Thread(target=touch, name=f"beat {path.name}", daemon=True)
+    t = threading.Thread(target=touch, name=f"beat {paths[0].name}", daemon=True)
     t.start()
     try:
         yield
@@ -229,6 +274,24 @@ def reporting(path: Path) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def alone(path: Path) -> Iterator[None]:
+    """Hold `path` (an flock, dropped by the kernel however the holder dies) while the block runs: a second
+    producer of the same part of a spool fails at once instead of writing its windows beside the first."""
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise RuntimeError(f"{path.parent}: {path.stem} is already running ({f.read().strip() or 'pid ?'}); "
+                               "wait for it, or end it first") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        yield
+
+
 def silent_for(path: Path, since: float) -> float:
     """Seconds since `path` was last touched (or since `since`, when it never was)."""
     try:
@@ -238,23 +301,25 @@ def silent_for(path: Path, since: float) -> float:
 
 
 class Waiter:
-    """Waits for a condition while the other side lives: raises once it has been silent `wait_s` seconds."""
+    """Waits for a condition while the other side lives: raises once its beat file `other` has been silent
+    `wait_s` seconds, or once an error file matching `errors` (default: the beat's own) stays ERROR_GRACE."""
 
-    def __init__(self, root: Path, other: str, wait_s: float, what: str):
+    def __init__(self, root: Path, other: str, wait_s: float, what: str, errors: str | None = None):
         self.beat, self.wait_s, self.what, self.since = root / other, wait_s, what, time.time()
+        self.errors = errors or self.beat.with_suffix(".error").name
 
     def __call__(self, ready: Callable[[], Any]) -> Any:
-        error = self.beat.with_suffix(".error")
         t0 = told = time.time()
         while not (got := ready()):
             if time.time() - told >= SAY_EVERY:  # a wait is never silent: the log shows who waits on whom
                 told = time.time()
                 print(f"{self.beat.parent}: waiting for {self.what} ({told - t0:.0f} s; the {self.beat.stem} was "
                       f"last seen {silent_for(self.beat, self.since):.0f} s ago)", file=sys.stderr, flush=True)
-            with contextlib.suppress(FileNotFoundError):
-                if time.time() - error.stat().st_mtime > min(self.wait_s, ERROR_GRACE):
-                    raise RuntimeError(f"{self.beat.parent}: waited for {self.what}, but the {self.beat.stem} failed "
-                                       f"({error.name}): {error.read_text()}")
+            for error in self.beat.parent.glob(self.errors):
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - error.stat().st_mtime > min(self.wait_s, ERROR_GRACE):
+                        raise RuntimeError(f"{self.beat.parent}: waited for {self.what}, but the {error.stem} failed "
+                                           f"({error.name}): {error.read_text()}")
             quiet = silent_for(self.beat, self.since)
             if quiet > self.wait_s:
                 raise RuntimeError(f"{self.beat.parent}: waited for {self.what}, but the {self.beat.stem} has shown no "
@@ -264,6 +329,15 @@ class Waiter:
 
 
 # ---------------------------------------------------------------- the spool dir
+_IN_PROCESS = threading.Lock()  # an flock excludes open files, not threads: producers in one process take this too
+
+
+def window_of_file(name: str) -> str:
+    """The window a file under shards/ belongs to: `train-00003.safetensors`, its record `train-00003.json`
+    and their temp files `.train-00003.*.tmp` all name `train-00003`."""
+    return name.lstrip(".").split(".", 1)[0]
+
+
 @dataclass
 class Spool:
     """A spool dir, as either side sees it."""
@@ -314,6 +388,52 @@ class Spool:
                 total += f.stat().st_size
         return total
 
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The producers' lock (spool.lock): held around every "check the budget + reserve", trim and eviction.
+        flock on Linux NFS is a POSIX lock the server keeps, so it holds across hosts too."""
+        with _IN_PROCESS, open(self.root / LOCK, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def reservations(self) -> dict[str, int]:
+        """Window name -> planned bytes, of every producer's reservation (`{name}.reserve`) now."""
+        out: dict[str, int] = {}
+        for f in self.root.glob("producer*.reserve"):
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                r = json.loads(f.read_text())
+                out[r["window"]] = max(out.get(r["window"], 0), r["bytes"])
+        return out
+
+    def reserve(self, name: str, w: Window) -> None:
+        atomic_write_json(self.root / f"{name}.reserve", {"window": w.name, "bytes": w.bytes})
+
+    def release(self, name: str) -> None:
+        (self.root / f"{name}.reserve").unlink(missing_ok=True)
+
+    def held(self, extra: Window | None = None) -> int:
+        """What the budget counts: the bytes under shards/, a reserved window's (and `extra`'s) at the larger of
+        its planned size and what of it is on disk (its temp file grows to the shard, then its record comes)."""
+        res = self.reservations()
+        if extra is not None:
+            res[extra.name] = max(res.get(extra.name, 0), extra.bytes)
+        disk: dict[str, int] = {}
+        d = self.root / SHARD_DIR
+        for f in d.iterdir() if d.is_dir() else ():
+            with contextlib.suppress(FileNotFoundError):
+                w = window_of_file(f.name)
+                disk[w] = disk.get(w, 0) + f.stat().st_size
+        return sum(n for w, n in disk.items() if w not in res) + sum(max(n, disk.get(w, 0)) for w, n in res.items())
+
+    def look(self) -> tuple[Any, ...]:
+        """What a waiting producer watches: the trainer's position, the files under shards/, the reservations."""
+        d = self.root / SHARD_DIR
+        return (self.position(), sorted(f.name for f in d.iterdir()) if d.is_dir() else [],
+                sorted(self.reservations().items()))
+
     def drop(self, w: Window) -> None:
         """Remove window `w` (its record first: a shard without a record is not committed)."""
         for name in (w.record, w.file):
@@ -329,7 +449,7 @@ class SpoolReader:
     Train: `at(step)` opens the window that step reads (waiting for the producer), after every rank has
     left the one before (`barrier`); rank 0 then moves position.json, so the producer may delete it."""
 
-    def __init__(self, spool: Spool, plan: Plan, split: str, lengths: list[int], wait: Waiter, main: bool,
+    def __init__(self, spool: Spool, plan: Plan, split: str, lengths: list[int], wait: list[Waiter], main: bool,
                  barrier: Callable[[], None]):
         self.spool, self.plan, self.split, self.lengths = spool, plan, split, lengths
         self.wait, self.main, self.barrier = wait, main, barrier
@@ -354,7 +474,8 @@ class SpoolReader:
         w = self.window
         if w is None:
             raise RuntimeError(f"{self.spool.root}: no {self.split} window open (call at(step) first)")
-        rec = self.wait(lambda: self.spool.committed(self.plan, w))
+        # the owner's beat: with several producers, a dead one is found though the others live
+        rec = self.wait[self.plan.owner(w)](lambda: self.spool.committed(self.plan, w))
         path = self.spool.root / w.file
         bad = shard_problem(path, rec["sha256"])
         meta = shard_meta(path) or {}
@@ -380,7 +501,7 @@ def wait_plan(spool: Spool, mine: Plan, wait: Waiter) -> None:
     """Wait until the producer's plan.json is `mine`. A different one written by a live producer (it starts
     beating after writing its plan) is an error naming both; one a dead producer left is waited past."""
 
-    def same() -> bool:
+    def same() -> bool:  # the key covers the budget and the number of producers too
         theirs = spool.read_plan()
         if theirs is None or theirs["key"] == mine.key:
             return theirs is not None
@@ -390,8 +511,9 @@ def wait_plan(spool: Spool, mine: Plan, wait: Waiter) -> None:
             return False
         if beat >= written and time.time() - beat < 3 * BEAT_EVERY:
             raise ValueError(f"{spool.root / PLAN}: the producer planned for another source, read order or budget "
-                             f"({theirs['order']}, spool_bytes {theirs['spool_bytes']:,}) than this trainer "
-                             f"({asdict(mine.order)}, spool_bytes {mine.spool_bytes:,})")
+                             f"({theirs['order']}, spool_bytes {theirs['spool_bytes']:,}, "
+                             f"{theirs.get('producers', 1)} producers) than this trainer "
+                             f"({asdict(mine.order)}, spool_bytes {mine.spool_bytes:,}, {mine.producers} producers)")
         return False
 
     wait(same)
@@ -399,7 +521,7 @@ def wait_plan(spool: Spool, mine: Plan, wait: Waiter) -> None:
 
 def wait_source(root: Path, wait_s: float) -> SpoolSource:
     """The spool's source.json, once the producer has written it."""
-    w = Waiter(Path(root), PRODUCER_BEAT, wait_s, "source.json")
+    w = Waiter(Path(root), PRODUCER_BEAT, wait_s, "source.json", PRODUCER_ERRORS)
     return w(lambda: SpoolSource.read(root) if (Path(root) / SpoolSource.FILE).is_file() else None)
 
 
@@ -407,11 +529,13 @@ def reader_pair(root: Path, source: SpoolSource, order: Order, wait_s: float, ma
                 barrier: Callable[[], None], bytes_per_token: int) -> tuple[Plan, SpoolReader, SpoolReader | None]:
     """The trainer's plan (checked against the producer's) and its train and val readers."""
     spool = Spool(root)
-    wait = Waiter(spool.root, PRODUCER_BEAT, wait_s, "the producer's plan")
+    wait = Waiter(spool.root, PRODUCER_BEAT, wait_s, "the producer's plan", PRODUCER_ERRORS)
     found = wait(spool.read_plan)
-    p = plan(source, order, found["spool_bytes"], bytes_per_token)
+    n = found.get("producers", 1)  # the budget and the number of producers: the producers' (plan.json)
+    p = plan(source, order, found["spool_bytes"], bytes_per_token, n)
     wait_plan(spool, p, wait)
-    shards = Waiter(spool.root, PRODUCER_BEAT, wait_s, "the next shard")
+    shards = [Waiter(spool.root, f"{producer_name(k, n)}.beat", wait_s, "the next shard", PRODUCER_ERRORS)
+              for k in range(n)]
     train = SpoolReader(spool, p, "train", source.lengths["train"], shards, main, barrier)
     val = SpoolReader(spool, p, "val", source.lengths["val"], shards, main, barrier) if p.val else None
     return p, train, val
