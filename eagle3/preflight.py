@@ -382,7 +382,9 @@ def online_pair_seconds(cfg: PipelineConfig, seconds: dict[str, float], store: f
     shard is produced, and behind a slower producer the last shard is trained after it ends. Assumes the two do
     not slow each other down (each on its own devices)."""
     ex, tr = seconds["extract"], seconds["train"]
-    window = max(cfg.spool_bytes - val, 0) / 2  # the spool cuts windows at half of what its val shard (`val`) leaves
+    # the spool cuts windows at what its val shard (`val`) leaves over (producers + 1): each producer writes one
+    # while the trainer reads another
+    window = max(cfg.spool_bytes - val, 0) / (cfg.extract.workers + 1)
     share = min(1.0, window / max(store, 1.0))  # one window of one epoch
     return max(ex, tr) + min(ex / epochs, tr / cfg.train.epochs) * share
 

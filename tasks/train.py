@@ -153,7 +153,8 @@ def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_
     log, since = get_run_logger(), time.time()
     env = None if devices is None else {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)}
     if online is not None:
-        beside = online.producer_slots if devices is not None else gpu_slots()
+        # every producer's engine runs beside this trainer (extract.workers of them)
+        beside = (online.producer_slots if devices is not None else gpu_slots()) * online.extract.workers
     else:  # the other nodes hold as many at once: a limit smaller than all together would keep one out for good
         beside = (cfg.nnodes - 1) * (len(devices) if devices is not None else gpu_slots())
     with hold_gpus(devices, beside=beside):
