@@ -25,6 +25,7 @@ import contextlib
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -717,8 +718,19 @@ def check_engine_length(samples: Samples, limit: int) -> None:
         )
 
 
+# One backend built at a time per process. Ranges (and online producers) may run as threads of one process, and
+# transformers' loading swaps process-wide hooks while it builds a model on the meta device: two loads interleaving
+# can leave them swapped, and every model built after that in the process has meta weights (seen in the tests).
+_BUILD = threading.Lock()
+
+
 def make_backend(cfg: ExtractConfig, target: Target, layer_ids: list[int], out: Path, max_len: int) -> Backend:
-    """Build the backend `cfg.backend` names (heavy: loads the model)."""
+    """Build the backend `cfg.backend` names (heavy: loads the model), one at a time in a process."""
+    with _BUILD:
+        return _make_backend(cfg, target, layer_ids, out, max_len)
+
+
+def _make_backend(cfg: ExtractConfig, target: Target, layer_ids: list[int], out: Path, max_len: int) -> Backend:
     if cfg.backend == "hf":
         from eagle3.extract.hf import HFBackend
 
