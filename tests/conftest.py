@@ -115,8 +115,17 @@ def pytest_collection_modifyitems(config, items):
     # `make test` runs two xdist workers (`--dist loadgroup`). Every real-engine test goes to one worker,
     # so two engines never start side by side on the 2 cores; any other test stays with its module, so
     # module-scoped fixtures (a Prefect server, a trained run) are built once per worker that needs them.
+    # pytest-xdist 3.8 schedules `--dist loadgroup` by an `@group` suffix it writes into `item._nodeid`, which
+    # pytest 9 no longer reads (the id is `item._id`): without the suffix every test is a unit of its own, and
+    # engines start side by side. Written here the way pytest 9 keeps it, on the workers of that mode.
+    grouped = bool(getattr(config.option, "loadgroup", False)) and bool(items) and hasattr(items[0], "_id")
+    if grouped:
+        from _pytest.nodeid import coerce_node_id
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("engine" if "vllm" in item.keywords else item.module.__name__))
+        group = "engine" if "vllm" in item.keywords else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+        if grouped and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")
         if "gpu" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "vllm" in item.keywords and not has_vllm:
