@@ -53,6 +53,21 @@ class Service:
     env: dict[str, str]  # a client's environment: URL and credentials
     seconds: dict[str, float] = field(default_factory=dict)
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)  # worker name -> its process
+    specs: dict[str, tuple[list[str], dict, Path]] = field(default_factory=dict)  # worker name -> cmd, env, log
+
+    def restart(self, name: str) -> None:
+        """Start worker `name` again where it died (a test killed it): its host came back. A test that kills a
+        worker brings it back, so the tests after it in the module find every worker (a two-node train waits at
+        its rendezvous for a second host that never comes, otherwise)."""
+        if self.workers[name].poll() is None:
+            return
+        cmd, env, log = self.specs[name]
+        self.workers[name] = start(cmd, env, log.with_suffix(f".{int(time.time())}.log"), cwd=REPO)
+
+    def check_workers(self) -> None:
+        """Every worker is alive: fail now, naming the dead, instead of waiting on a run nobody takes."""
+        dead = [n for n, w in self.workers.items() if w.poll() is not None]
+        assert not dead, f"worker(s) {', '.join(dead)} not running (an earlier test killed them?)"
 
     @contextlib.contextmanager
     def client(self) -> Iterator:
@@ -88,7 +103,7 @@ def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | N
            "PREFECT_WORKER_QUERY_SECONDS": "1", "EAGLE3_REPO": str(REPO), "PREFECT_API_AUTH_STRING": auth}
     for k in ("EAGLE3_FAIL_ONCE", "EAGLE3_GPU_DEPLOYMENT", "PREFECT_SERVER_API_AUTH_STRING"):
         env.pop(k, None)
-    t0 = time.time()
+    t0, s = time.time(), None
     # The server checks the credentials (PREFECT_SERVER_API_AUTH_STRING); the clients send theirs.
     procs = [start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                    {**env, "PREFECT_SERVER_API_AUTH_STRING": auth}, home / "server.log")]
@@ -115,15 +130,14 @@ def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | N
                                            for k in range(gpu_workers)]
         for pool, name in names:
             limit = ["--limit", str(gpu_limit)] if pool == "gpu" and gpu_limit else []
-            w = start([sys.executable, "deployments/worker.py", "--pool", pool, "--name", name, *limit],
-                      {**env, **(worker_env or {}).get(pool, {})}, home / f"worker-{name}.log", cwd=REPO)
-            procs.append(w)
-            s.workers[name] = w
+            s.specs[name] = ([sys.executable, "deployments/worker.py", "--pool", pool, "--name", name, *limit],
+                             {**env, **(worker_env or {}).get(pool, {})}, home / f"worker-{name}.log")
+            s.workers[name] = start(*s.specs[name], cwd=REPO)
         assert deploy.wait(180) == 0, (home / "deploy.log").read_text()[-4000:]
         s.seconds["ready"] = time.time() - t0
         yield s
     finally:
-        for p in reversed(procs):
+        for p in [*(s.workers.values() if s is not None else ()), *reversed(procs)]:
             stop(p)
 
 

@@ -52,10 +52,12 @@ def service(request, tmp_path_factory):
     """The service (tests/prefect_service.py) with basic auth on: every client below holds the credentials,
     as docs/service.md's multi-host set-up does. Two gpu workers, one flow run at a time each: two 8-GPU hosts,
     so the `gpus` limit is 16.
-    A flow run silent for 60 s (twice its heartbeat) is marked Crashed."""
+    A flow run silent for 90 s (three heartbeats, as deployments/setup.py sets by default) is marked Crashed: with
+    60 s (two) the pipeline's own flow run on a loaded 2-core host was marked Crashed while it waited on a
+    retried range."""
     home = tmp_path_factory.mktemp("prefect-service")
     with ps.service(home, gpus=16, while_booting=lambda: request.getfixturevalue("tiny_llama_dir"), gpu_workers=2,
-                    silent_s=60, gpu_limit=1) as s:
+                    silent_s=90, gpu_limit=1) as s:
         print(f"\nserver up in {s.seconds['server']:.1f} s; pools, limit, workers and deployments in "
               f"{s.seconds['ready']:.1f} s")
         yield s
@@ -212,6 +214,7 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     assert run_a.state.is_completed(), logs(client, run_a)[-4000:]
     assert run_a.work_pool_name == "cpu"
     assert killer.killed, f"no worker was killed mid-range: {killer.error}"
+    service.restart(killer.killed)  # the host comes back: the tests below need both gpu workers
     # Each hop is a task of run A named after its stage (and range), its flow run after stage and run; the
     # range whose worker died was marked Crashed by the server and retried by a second flow run, which resumed.
     children = {c.name: c for c in subflows(client, run_a)}
@@ -221,7 +224,7 @@ def test_deployed_runs_retry_resume_cache_and_nightly(service, client, tiny):
     assert {n: c.state.name for n, c in children.items()} == {
         dead: "Crashed", again: "Completed", alive: "Completed", f"train · {run_a.name}": "Completed",
         f"eval · {run_a.name}": "Completed"}
-    assert "no heartbeat for 60 s" in children[dead].state.message
+    assert "no heartbeat for 90 s" in children[dead].state.message
     assert {c.work_pool_name for c in children.values()} == {"gpu"}
     assert children[again].infrastructure_pid != children[dead].infrastructure_pid
     runs_a = task_runs(client, run_a)
@@ -408,6 +411,7 @@ def test_deployed_train_on_two_nodes_equals_two_ranks_on_one(service, client, ti
     from flows.stages import run_stage
 
     service.setup(16)  # two 8-GPU hosts (the load drill above leaves the limit at 1)
+    service.check_workers()  # both nodes' hosts are up: a missing one would leave node 0 at its rendezvous
     cfg, _ = tiny
     model, d = cfg.model, {s: str(cfg.stage_dir(s)) for s in ("prepare", "extract", "verifier", "train")}
     # the full vocab as the draft's: the random target's argmax always falls in it (with the tiny config's 256
