@@ -13,7 +13,10 @@ Token counts come from the prepare manifest when it exists, else from the source
 (conversations x mean tokens, capped at max_len).
 
 Wall time per remaining stage, on CPU from SmolLM2 rates measured on a 2-core host, scaled by the
-target's size, on GPU (vLLM) from compute-bound planning rates; a run over `max_hours` is refused.
+target's size and by this host's speed (`host`: a few seconds of the same kernels, eagle3/runtime/probe.py:
+hosts of one kind run this code 1.2-1.8x apart), on GPU (vLLM) from compute-bound planning rates; a run over
+`max_hours` is refused. On CPU the eval's answer build (the replay's batched greedy decoding, the run's
+memory peak) must fit MemAvailable with at least 8 rows at once, else the run is refused with the options.
 Extraction over `extract.workers` hosts takes the largest range's share of one host's time.
 Online, extraction runs once per epoch the trainer reads, beside the trainer: the pair takes the longer of the two
 plus one shard's start-up, not their sum.
@@ -28,6 +31,8 @@ from pathlib import Path
 from eagle3.config import DEFAULT_DRAFT_VOCAB, PipelineConfig, TargetPlan
 from eagle3.model.target import MLA_DRAFT_HEAD_DIM, Target
 from eagle3.runtime.heap import proc_bytes
+from eagle3.runtime.probe import HostSpeed
+from eagle3.runtime.progress import hms
 
 GIB = 1 << 30
 SHAREGPT_RECORDS = 17_671     # complete records of the bundled (truncated) file
@@ -50,6 +55,7 @@ SMOLLM2_PARAMS = 135e6
 VLLM_START_S = 120                # vLLM (planning assumptions): an engine's start
 VLLM_DECODE_TOK_PER_S = 2000      # batched decoding per engine
 MTBENCH_QUESTIONS = 80  # two turns each
+EVAL_PROMPT_TOKENS = 400  # the longest second-turn prompt of MT-Bench without its first answer (SmolLM2 template)
 
 
 class PreflightError(ValueError):
@@ -65,6 +71,7 @@ class Plan:
     max_hours: float = 0.0  # the budget it was judged against; 0: none
     pair_s: float | None = None  # online: extract and train together (they overlap); None: they add up
     store_line: str = ""  # the offline store's size beside the online spool's
+    host: HostSpeed = field(default_factory=HostSpeed)  # the CPU rates' scale
 
     def total_seconds(self) -> float:
         """Wall time of every remaining stage: their sum, with online's extract and train counted as one pair."""
@@ -90,7 +97,8 @@ class Plan:
         """The preflight artifact: the time first, then the table and the verdict."""
         verdict = "\n".join(f"- **{x}**" for x in self.problems) or "Every remaining stage fits."
         return (f"# eagle3 preflight\n\n**{self.time_line()[0].upper()}{self.time_line()[1:]}.** CPU times come "
-                f"from this project's measured rates, GPU times are compute-bound estimates.\n\n"
+                f"from this project's measured rates, scaled by this host's speed; GPU times are compute-bound "
+                f"estimates.\n\n{self.host.line()}\n\n"
                 f"~{self.tokens:,} tokens\n\n{self._store()}{self.table()}\n\n{verdict}\n")
 
     def _store(self) -> str:
@@ -181,11 +189,6 @@ def disk_free(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def hms(s: float) -> str:
-    h, rem = divmod(int(s), 3600)
-    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
-
-
 def human(b: float) -> str:
     if b >= 1 << 40:
         return f"{b / (1 << 40):,.2f} TiB"
@@ -193,14 +196,16 @@ def human(b: float) -> str:
 
 
 def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | None = None,
-         max_hours: float = 0.0) -> Plan:
-    """Estimate every stage not yet finished; list the problems (does not raise)."""
+         max_hours: float = 0.0, host: HostSpeed | None = None) -> Plan:
+    """Estimate every stage not yet finished; list the problems (does not raise). `host`: this host's speed
+    (`measure_host`); default: the reference host's rates."""
     t = target_plan(cfg)
     tokens = expected_tokens(cfg)
     vd = cfg.prepare.draft_vocab or min(32000, t.vocab_size)
     P = draft_params(t, vd)
     tc = cfg.train
-    pl = Plan(tokens=tokens, max_hours=max_hours)
+    host = host or HostSpeed()
+    pl = Plan(tokens=tokens, max_hours=max_hours, host=host)
     need = stage_disk(cfg, t, tokens, vd, P)
     free = disk_free(Path(cfg.run_dir)) if free_bytes is None else free_bytes
     pl.problems += disk_plan(pl, cfg, t, need, free)
@@ -219,22 +224,24 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
         pl.problems.append(f"memory: training needs about {human(act * tc.nproc_per_node)} "
                            f"({tc.nproc_per_node} process(es)), {human(mem)} is available; lower train.pack_tokens, "
                            f"train.ttt_steps or the draft vocab")
+    if cfg.eval.backend == "hf" and cfg.eval.mode == "replay" and not _has_cuda():
+        pl.problems += eval_memory(pl, cfg, t, mem)
     gpus = cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size
     active = t.active_parameters or t.num_parameters
     if cfg.extract.backend == "vllm":
         ex_s = 2 * active * tokens / (gpus * GPU_PREFILL_FLOPS)
     else:
-        ex_s = tokens / 650 * (active / 135e6)
+        ex_s = tokens / 650 * (active / 135e6) / host.forward
     pd = P - vd * t.hidden_size - 3 * t.hidden_size * t.hidden_size  # one TTT step's layer weights
     tr_flops = (6 * (pd + vd * t.hidden_size) * tc.ttt_steps * tokens * tc.epochs
                 + 2 * t.vocab_size * t.hidden_size * tokens * tc.epochs)
     # CPU: measured SmolLM2 rates (2 threads, k=3): ~700 tok/s in epoch 1, ~1,100 tok/s later
     # (the target's full-vocab argmax is cached per sample after the first epoch)
     cpu_s = (tokens / 700 + tokens * (tc.epochs - 1) / 1100) * (P / 10e6) * (tc.ttt_steps / 3)
-    tr_s = tr_flops / (tc.world * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s
+    tr_s = tr_flops / (tc.world * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s / host.train
     epochs = epochs_read(cfg, tokens) if cfg.mode == "online" else 1  # online: extraction runs once per epoch
     ex_s *= worker_share(cfg, t, tokens)
-    pl.seconds = stage_seconds(cfg, t, tokens, ex_s * epochs, tr_s)
+    pl.seconds = stage_seconds(cfg, t, tokens, ex_s * epochs, tr_s, host)
     if cfg.extract.workers > 1:
         pl.rows.append({"stage": "extract", "what": f"over {cfg.extract.workers} workers: the largest range's share of "
                         "the tokens", "bytes": 0, "human": f"{worker_share(cfg, t, tokens):.3f}"})
@@ -389,24 +396,27 @@ def online_pair_seconds(cfg: PipelineConfig, seconds: dict[str, float], store: f
     return max(ex, tr) + min(ex / epochs, tr / cfg.train.epochs) * share
 
 
-def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, tr_s: float) -> dict[str, float]:
-    """Wall time of each stage not yet finished, in pipeline order (extract and train computed by `plan`)."""
+def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, tr_s: float,
+                  host: HostSpeed | None = None) -> dict[str, float]:
+    """Wall time of each stage not yet finished, in pipeline order (extract and train computed by `plan`); CPU
+    decoding at `host.decode` and forwards at `host.forward` times the reference host's rates."""
     from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft, VerifierWeights
 
+    host = host or HostSpeed()
     size = (t.active_parameters or t.num_parameters) / SMOLLM2_PARAMS  # CPU rates scale with the target's size
     vd = cfg.prepare.draft_vocab or min(DEFAULT_DRAFT_VOCAB, t.vocab_size)
     turns, new = eval_turns(cfg), cfg.eval.max_new_tokens
     if cfg.eval.backend == "vllm":  # two engines (target alone, speculative), each starts and decodes
         ev_s = 2 * VLLM_START_S + 2 * turns * new / VLLM_DECODE_TOK_PER_S
     elif cfg.eval.mode == "replay":  # cached greedy answers (batched), one forward for the aux states, a live check
-        ev_s = replay_seconds(turns, new) * size
+        ev_s = replay_seconds(turns, new, host) * size
         ev_s += 2 * min(cfg.eval.live_check, turns // 2 or 1) * (cfg.eval.live_max_new_tokens or new) * 2 \
-            / EVAL_CPU_TOK_PER_S * size if cfg.eval.live_check else 0
+            / (EVAL_CPU_TOK_PER_S * host.decode) * size if cfg.eval.live_check else 0
     else:  # speculative and plain greedy decoding of every turn, one sequence at a time
-        ev_s = turns * new * 2 / EVAL_CPU_TOK_PER_S * size
+        ev_s = turns * new * 2 / (EVAL_CPU_TOK_PER_S * host.decode) * size
     if cfg.extract.backend != "vllm" and cfg.train.replay_prompts:  # the replay set, built before training
         tr_s += min(cfg.train.replay_prompts, val_samples(cfg)) * cfg.train.replay_max_new_tokens \
-            / REPLAY_SET_CPU_TOK_PER_S * size
+            / (REPLAY_SET_CPU_TOK_PER_S * host.decode) * size
     done = {"prepare": PreparedData, "extract": HiddenStates, "verifier": VerifierWeights, "train": TrainedDraft,
             "eval": EvalReport}
     est = {"prepare": 5 + expected_conversations(cfg) / PREPARE_CONV_PER_S, "extract": ex_s,
@@ -421,11 +431,56 @@ def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, 
     return out
 
 
-def replay_seconds(turns: int, new: int) -> float:
-    """Replay's cache for a SmolLM2-sized target at the measured 2-thread rates:
+def replay_seconds(turns: int, new: int, host: HostSpeed | None = None) -> float:
+    """Replay's cache for a SmolLM2-sized target at the measured 2-thread rates (times this host's speed):
     `turns` greedy answers of up to `new` tokens (batched decoding), then one forward over prompts + answers
     (~2 x the answer tokens)."""
-    return turns * new / REPLAY_CPU_DECODE_TOK_PER_S + 2 * turns * new / REPLAY_CPU_FORWARD_TOK_PER_S
+    host = host or HostSpeed()
+    return (turns * new / (REPLAY_CPU_DECODE_TOK_PER_S * host.decode)
+            + 2 * turns * new / (REPLAY_CPU_FORWARD_TOK_PER_S * host.forward))
+
+
+def eval_memory(pl: Plan, cfg: PipelineConfig, t: TargetPlan, mem: int | None) -> list[str]:
+    """The replay's answer build on CPU: a wave of rows (one turn of every prompt) decoded together, each row's
+    fp32 KV cache counted twice (eagle3/eval/replay.py, `answer_rows`), beside the target's fp32 weights.
+    The build takes fewer rows at once where they do not fit; below 8 it is refused, here first."""
+    from eagle3.eval.replay import ANSWER_FLOOR_ROWS, KV_SLACK
+
+    e = cfg.eval
+    wave = eval_turns(cfg) // 2 if e.prompts == "mt-bench" else eval_turns(cfg)
+    seq = EVAL_PROMPT_TOKENS + 2 * (e.max_new_tokens + max(e.k, 8))
+    row = KV_SLACK * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4 * seq
+    weights = 4 * t.num_parameters
+    rows = min(wave, 128)
+    need = weights + rows * row + int(0.5 * GIB)  # + the runtime
+    pl.rows.append({"stage": "eval", "what": f"memory of the replay answers, {rows} rows at once (estimate)",
+                    "bytes": need, "human": human(need)})
+    if not mem or need <= mem:
+        return []
+    fit = int((0.9 * mem - weights - 0.5 * GIB) // row)
+    if fit >= min(ANSWER_FLOOR_ROWS, rows):
+        pl.rows.append({"stage": "eval", "what": "the answers decode in smaller batches to fit MemAvailable",
+                        "bytes": 0, "human": f"{fit} rows at once"})
+        return []
+    return [f"memory: the eval's replay answers need about {human(weights + ANSWER_FLOOR_ROWS * row)} for "
+            f"{ANSWER_FLOOR_ROWS} rows at once, {human(mem)} is available; lower eval.max_new_tokens or eval.limit, "
+            f"use eval.mode live, or free memory"]
+
+
+PROBE_OVER_S = 120  # runs estimated shorter than this at the reference rates are not worth a probe's seconds
+
+
+def measure_host(cfg: PipelineConfig) -> HostSpeed:
+    """This host's speed (eagle3/runtime/probe.py, measured once per process) where the run's remaining CPU work
+    is estimated over PROBE_OVER_S at the reference rates; else the reference (no probe). On a host whose
+    stages run on GPUs the CPU rates plan nothing big, so it is not measured there either."""
+    if _has_cuda():
+        return HostSpeed()
+    if plan(cfg, free_bytes=1 << 60, free_mem=1 << 60).total_seconds() <= PROBE_OVER_S:
+        return HostSpeed()
+    from eagle3.runtime.probe import measure
+
+    return measure()
 
 
 def check(cfg: PipelineConfig, **kw) -> Plan:

@@ -17,10 +17,10 @@ def _run(a) -> None:
     if a.run_dir:
         cfg = cfg.model_copy(update={"run_dir": a.run_dir})
     if a.dry_run:
-        from eagle3.preflight import plan
+        from eagle3.preflight import measure_host, plan
 
-        p = plan(cfg)
-        print(f"preflight for {a.config}: {p.time_line()}\n~{p.tokens:,} tokens\n{p.table()}")
+        p = plan(cfg, host=measure_host(cfg))
+        print(f"preflight for {a.config}: {p.time_line()}\n{p.host.line()}\n~{p.tokens:,} tokens\n{p.table()}")
         print("\n".join(f"PROBLEM: {x}" for x in p.problems) or "OK: every remaining stage fits")
         return
     # With no PREFECT_API_URL every run starts a temporary local Prefect server: ~18 s cold on a 2-core

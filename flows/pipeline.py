@@ -14,7 +14,7 @@ from pydantic import Field
 from eagle3.config import PipelineConfig, PrepareConfig
 from eagle3.storage.lock import RunLock
 from eagle3.storage.manifests import EvalReport, RegeneratedData, SpooledStates, TrainedDraft
-from flows.stages import run_online, run_stage
+from flows.stages import run_online, run_stage, stage_times
 from tasks.eval import results_table
 from tasks.extract import spool_table, stats_table
 from tasks.prepare import counts_table
@@ -68,7 +68,7 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
                                       for s in ("prepare", "extract", "verifier", "train", "eval")}
     trc = config.trust_remote_code  # the target's custom tokenizer code (Kimi) may run
     get_run_logger().info("run dir %s", config.run_dir)
-    preflight(config, max_hours)
+    estimate = preflight(config, max_hours)
 
     # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/stages.py); else run here.
     prep_cfg = config.prepare
@@ -90,7 +90,7 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
     report = run_stage("eval", dirs["eval"], model=model, draft=final, cfg=config.eval, trust_remote_code=trc)
 
     # Per-run summary lives in the flow: a cached task does not re-create its artifacts.
-    summarize(config, dirs, prepared, hidden, verifier, trained, report)
+    summarize(config, dirs, prepared, hidden, verifier, trained, report, times_table(stage_times(), estimate))
     return {**dirs, "final": final}, report
 
 
@@ -114,20 +114,42 @@ def regenerate(config: PipelineConfig) -> tuple[RegeneratedData, PrepareConfig]:
     return m, config.prepare.model_copy(update={"data": str(out / m.file)})
 
 
-def preflight(config: PipelineConfig, max_hours: float = 0.0) -> None:
-    """Refuse to start a run that cannot finish, or would take longer than `max_hours`; show the estimate either way."""
-    from eagle3.preflight import PreflightError, plan
+def preflight(config: PipelineConfig, max_hours: float = 0.0) -> dict[str, float]:
+    """Refuse to start a run that cannot finish, or would take longer than `max_hours`; show the estimate either way.
+    Returns the estimated seconds of each remaining stage (on CPU scaled by this host's measured speed)."""
+    from eagle3.preflight import PreflightError, measure_host, plan
 
-    p = plan(config, max_hours=max_hours)
+    p = plan(config, max_hours=max_hours, host=measure_host(config))
     create_markdown_artifact(p.markdown(), key="eagle3-preflight",
                              description="eagle3 preflight: wall time, disk and memory estimate")
-    get_run_logger().info("preflight: %s", p.time_line())
+    get_run_logger().info("preflight: %s; %s", p.time_line(), p.host.line())
     if p.problems:
         raise PreflightError("preflight: this run cannot finish:\n- " + "\n- ".join(p.problems))
+    return p.seconds
 
 
-def summarize(config, dirs, prepared, hidden, verifier, trained, report) -> None:
-    """The run's artifacts: a table of every stage dir, the draft and the report; the figures in markdown."""
+def times_table(times: dict[str, dict[str, Any]], estimate: dict[str, float]) -> list[dict[str, Any]]:
+    """One row per stage this run ran or found done: wall time, peak RSS (this process's, per stage; and the
+    largest subprocess's), the preflight's estimate and measured / estimate."""
+    from eagle3.runtime.progress import hms
+
+    def gib(b: int | None) -> str:
+        return "" if b is None else f"{b / 2**30:.2f} GiB"
+
+    rows = []
+    for stage, t in times.items():
+        est = estimate.get("extract" if stage == "produce" else stage)  # online: the producer is extraction
+        rows.append({"stage": stage, "wall": hms(t["seconds"]), "seconds": round(t["seconds"], 1),
+                     "peak RSS": gib(t["peak_rss"]) or "(elsewhere)", "subprocesses": gib(t["subprocesses_rss"]),
+                     "estimate": "" if est is None else hms(est),
+                     "measured / estimate": "" if not est or t["how"] != "done" else round(t["seconds"] / est, 2),
+                     "how": t["how"]})
+    return rows
+
+
+def summarize(config, dirs, prepared, hidden, verifier, trained, report, times: list[dict[str, Any]]) -> None:
+    """The run's artifacts: a table of every stage dir, the draft and the report; the figures in markdown, ending
+    with `times` (times_table), which also closes the run's log."""
     spooled = isinstance(hidden, SpooledStates)  # online: the extract dir was the producer's spool
     rows = [
         {"stage": name, "dir": dirs[s], "fingerprint": m.fingerprint[:16]}
@@ -148,4 +170,12 @@ def summarize(config, dirs, prepared, hidden, verifier, trained, report) -> None
                          ("train", metrics_table(trained)), ("eval", results_table(report))):
         md += [f"## {title}", "", "| what | value |", "|---|---|"]
         md += [f"| {r['what']} | {r['value']} |" for r in table] + [""]
+    if times:
+        cols = list(times[0])
+        grid = [f"| {' | '.join(cols)} |", "|" + "---|" * len(cols)]
+        grid += [f"| {' | '.join(str(r[c]) for c in cols)} |" for r in times]
+        md += ["## stages: wall time, peak memory, estimate", "", *grid, ""]
+        create_table_artifact(times, key="eagle3-run-times",
+                              description="eagle3 run: wall time, peak RSS and the preflight's estimate per stage")
+        get_run_logger().info("stages: wall time, peak RSS, the preflight's estimate\n%s", "\n".join(grid))
     create_markdown_artifact("\n".join(md), key="eagle3-run-summary", description="eagle3 run summary")

@@ -30,9 +30,9 @@ from prefect.deployments import run_deployment
 from pydantic import BaseModel
 
 from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
-from eagle3.preflight import hms
 from eagle3.registry import STAGES as LIBRARY
 from eagle3.runtime.heap import PeakRSS
+from eagle3.runtime.progress import hms
 from eagle3.storage.manifests import (
     EvalReport,
     HiddenRange,
@@ -77,6 +77,27 @@ ONLINE = {"produce": Stage(produce_task, SpooledStates, publish_spool, spool_hea
 TABLE = {**STAGES, **ONLINE}  # what a hop or a stage flow may run
 
 
+# Each stage's wall time and peak memory, per flow run (id -> stage -> figures), for the run's closing table.
+_TIMES: dict[str, dict[str, dict[str, Any]]] = {}
+
+
+def _record(stage: str, seconds: float, how: str, peak: PeakRSS | None) -> None:
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    _TIMES.setdefault(str(ctx.flow_run.id), {})[stage] = {
+        "seconds": seconds, "how": how, "peak_rss": peak.own if peak else None,
+        "subprocesses_rss": peak.children if peak else None}
+
+
+def stage_times() -> dict[str, dict[str, Any]]:
+    """What `run_stage` and `run_online` recorded in this flow run, in the order the stages ended (and forgets it):
+    seconds, how ("done", "cached ..."), peak_rss (this process's, per stage; None where the stage hopped to
+    another process) and subprocesses_rss (the largest child's, None when none beat an earlier one)."""
+    ctx = FlowRunContext.get()
+    return _TIMES.pop(str(ctx.flow_run.id), {}) if ctx and ctx.flow_run else {}
+
+
 def fresh(task, manifest_cls, out):
     """A cached result whose output dir is gone must rerun, not return a dangling manifest."""
     return task if manifest_cls.exists(out) else task.with_options(refresh_cache=True)
@@ -89,9 +110,9 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
     suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
     nnodes = inputs["cfg"].nnodes if name == "train" else 1
     on = f" on {nnodes} nodes" if nnodes > 1 else ""
-    t0 = time.monotonic()
+    t0, peak = time.monotonic(), None
     if name == "extract" and inputs["cfg"].workers > 1:
-        m, how, mem = run_ranges(out, wait_for, **inputs)
+        m, how, mem, peak = run_ranges(out, wait_for, **inputs)
     elif suffix and name in GPU_STAGES:
         deployment = f"eagle3-{name}/{name}-{suffix}"
         log.info("%s: started%s on deployment %s, output %s", name, on, deployment, out)
@@ -119,14 +140,16 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
         mem = f", {peak.line()}"
     stage.publish(m, out)
     log.info("%s: %s in %s%s: %s", name, how, hms(time.monotonic() - t0), mem, stage.headline(m))
+    _record(name, time.monotonic() - t0, how, peak)
     return m
 
 
-def run_ranges(out: str, wait_for=None, **inputs) -> tuple[HiddenStates, str, str]:
+def run_ranges(out: str, wait_for=None, **inputs) -> tuple[HiddenStates, str, str, PeakRSS | None]:
     """Extraction over cfg.workers: one task per range of the shard plan, submitted at once, each hopping to the
     extract deployment when the GPU stages hop (its flow run goes to whichever GPU worker takes it), else run
     here on its own devices; then the commit, here (it renames files on the storage both pools share). A failed
-    range is retried alone (it resumes); the commit waits for all. Returns (manifest, how, memory line)."""
+    range is retried alone (it resumes); the commit waits for all. Returns (manifest, how, memory line, peak:
+    None where the ranges hopped)."""
     log, cfg = get_run_logger(), inputs["cfg"]
     n, suffix = cfg.workers, os.environ.get("EAGLE3_GPU_DEPLOYMENT")
     labels = [range_label(k, n) for k in range(n)]
@@ -135,7 +158,7 @@ def run_ranges(out: str, wait_for=None, **inputs) -> tuple[HiddenStates, str, st
         log.info("extract: %d ranges started on deployment %s, output %s", n, deployment, out)
         futures = [hop_task("extract", label).submit(label, deployment, as_params({**inputs, "out": out, "part": k}),
                                                      wait_for=wait_for) for k, label in enumerate(labels)]
-        mem = ""
+        mem, peak = "", None
     else:
         log.info("extract: %d ranges started, output %s", n, out)
         engine = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
@@ -149,7 +172,7 @@ def run_ranges(out: str, wait_for=None, **inputs) -> tuple[HiddenStates, str, st
     cached = all(s.name == "Cached" for s in wait_all("extract", futures, labels))
     state = fresh(commit_task, HiddenStates, out)(out=out, return_state=True, **inputs)
     how = "cached (inputs unchanged)" if cached and state.name == "Cached" else f"done over {n} workers"
-    return state.result(), how, mem
+    return state.result(), how, mem, peak
 
 
 def fresh_range(out: str, k: int, n: int):
@@ -313,6 +336,7 @@ def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract
         how = "cached (inputs unchanged)" if all(f.state.name == "Cached" for f in mine) else "done"
         TABLE[stage].publish(m, spool if stage == "produce" else train_out)
         log.info("%s: %s in %s%s: %s", stage, how, hms(time.monotonic() - t0), mem, TABLE[stage].headline(m))
+        _record(stage, time.monotonic() - t0, how, None if suffix else peak)
     return ms["produce"], ms["train"]
 
 

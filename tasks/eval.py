@@ -61,7 +61,7 @@ def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_co
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
     log = get_run_logger()
     with hold_gpus():  # the target and the draft on the GPU host's devices
-        m = evaluate(model, draft, out, cfg, progress=lambda i, n: log.info("eval: %d/%d prompts", i, n),
+        m = evaluate(model, draft, out, cfg, progress=log.info,
                      trust_remote_code=trust_remote_code)
     log.info("eval (%s): tau %.3f at k=%d, lossless %s, %s tok/s, speedup %s over greedy", m.mode,
              m.acceptance_length, m.k, m.lossless, _r(m.tokens_per_second, 2), _r(m.speedup_vs_target, 3))

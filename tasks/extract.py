@@ -42,7 +42,7 @@ def publish(m: HiddenStates, out: str) -> None:
 
 
 def _pace(log, what: str):
-    """The `progress(done, total)` callback of an extraction: a progress artifact (every 5 s), a log line a minute
+    """The `progress(done, total)` callback of an extraction: a progress artifact (every 5 s), a log line every 20 s
     with tok/s and an ETA, and the drill's injected failure halfway (when EAGLE3_FAIL_ONCE asks for one)."""
     art = create_progress_artifact(0.0, description=f"eagle3 {what}: share of tokens done")
     last, logged, t0 = [0.0], [time.monotonic()], time.monotonic()
@@ -52,7 +52,7 @@ def _pace(log, what: str):
         if total and (now - last[0] > 5 or done == total):
             last[0] = now
             update_progress_artifact(art, 100.0 * done / total)
-        if total and done and (now - logged[0] > 60 or done == total):  # a log line a minute: tok/s, ETA
+        if total and done and (now - logged[0] > 20 or done == total):  # a log line every 20 s: tok/s, ETA
             logged[0] = now
             rate = done / max(now - t0, 1e-9)
             log.info("%s: %d/%d tokens (%.0f%%), %.0f tok/s, ETA %.0f s", what, done, total, 100 * done / total,

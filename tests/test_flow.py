@@ -48,10 +48,29 @@ def tiny_cfg(tmp_path, tiny_llama_dir):
     return cfg, src, rows
 
 
+def run_times(flow_state) -> list[dict]:
+    """The run's closing table (artifact eagle3-run-times): one row per stage."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as c:
+        (art,) = c.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["eagle3-run-times"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_state.state_details.flow_run_id])))
+    return json.loads(art.data)
+
+
 def test_all_stages_cached_then_edited_input_reruns(tiny_cfg, prefect_env):
     cfg, src, rows = tiny_cfg
-    assert task_states(run(cfg)) == dict.fromkeys(STAGES, "Completed")
-    assert task_states(run(cfg)) == dict.fromkeys(STAGES, "Cached")
+    first = run(cfg)
+    assert task_states(first) == dict.fromkeys(STAGES, "Completed")
+    # the run ends with each stage's wall time and peak RSS beside the preflight's estimate
+    times = run_times(first)
+    assert [r["stage"] for r in times] == STAGES and {r["how"] for r in times} == {"done"}
+    assert all(r["peak RSS"].endswith(" GiB") and r["estimate"] and r["measured / estimate"] > 0 for r in times)
+    cached = run(cfg)
+    assert task_states(cached) == dict.fromkeys(STAGES, "Cached")
+    assert {r["how"] for r in run_times(cached)} == {"cached (inputs unchanged)"}
     # Same path, new content: the content key changes, so prepare and what depends on it rerun.
     src.write_text("\n".join(json.dumps(r) for r in rows[:-1]))
     states = task_states(run(cfg))

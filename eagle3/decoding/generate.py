@@ -15,7 +15,7 @@ Speed (hf, CPU): on a shared CPU give torch one thread (`--threads 1`): with oth
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -74,6 +74,7 @@ class HFGenerator:
         self.device = p.device
         self.dtype = str(p.dtype).removeprefix("torch.")
         self.tokens = 0  # generated, for tok/s
+        self.on_step: Callable[[int, int], None] | None = None  # (tokens decoded in this batch, rows left), per step
 
     def generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[Gen]:
         # Longest first and similar lengths together: little padding, and the largest KV cache early.
@@ -160,6 +161,8 @@ class HFGenerator:
                     done[i].raw = out[i]
                 else:
                     keep.append(r)
+            if self.on_step is not None:
+                self.on_step(len(out[rows[0]]), len(keep))
             if not keep:
                 break
             if len(keep) < len(rows):  # finished rows leave the batch (and the cache)

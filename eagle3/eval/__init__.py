@@ -10,12 +10,12 @@ from eagle3.storage.manifests import EvalReport
 __getattr__ = lazy_exports("eagle3.eval.run")  # evaluate, inputs
 
 
-def _console(i: int, n: int) -> None:
-    print(f"eval: {i}/{n} prompts", file=sys.stderr, flush=True)
+def _console(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _run(out, cfg: EvalConfig, *, model, draft, trust_remote_code: bool = False, progress=None) -> EvalReport:
-    """A progress callback (prompts done, total) replaces the console's line per prompt."""
+    """A progress callback (one line of text) replaces the console's progress lines."""
     from eagle3.eval.run import evaluate
 
     return evaluate(model, draft, out, cfg, trust_remote_code=trust_remote_code, progress=progress or _console)
@@ -59,7 +59,7 @@ def _replay_set(a) -> None:
         __import__("torch").set_num_threads(cfg.threads)
     d = build_replay_set(a.model, a.prompts, cfg.limit, cfg.max_new_tokens, cfg.aux_layer_ids, cache=cfg.cache,
                          trust_remote_code=a.trust_remote_code,
-                         progress=lambda m: print(m, file=sys.stderr, flush=True))
+                         progress=_console)
     print(d)  # the last line names the set
 
 

@@ -65,17 +65,49 @@ def cache_dir(target, convs: Sequence, max_new: int, tail: int, device_type: str
 
 
 def continuations(target, model: torch.nn.Module, convs: Sequence, max_new: int, tail: int, *, batch_size: int = 128,
-                  cache: Path | None = None, progress: Progress | None = None) -> tuple[list[Turn], Path, float]:
+                  cache: Path | None = None, progress: Progress | None = None,
+                  free_bytes: int | None = None) -> tuple[list[Turn], Path, float]:
     """The target's greedy answer to every turn of every conversation (cached). Returns the turns, the
-    cache dir and the seconds spent generating (0 when cached).
+    cache dir and the seconds spent generating (0 when cached). `progress` gets a line at least every 20 s:
+    decode steps done, tok/s, rows left and an ETA (an upper bound: rows stop early).
 
-    batch_size: rows decoded together. Rows leave the batch as they finish, so a wave split into a full
+    batch_size: rows decoded together at most. Rows leave the batch as they finish, so a wave split into a full
     batch and a small remainder runs the remainder at a poor rate; the default takes MT-Bench's 80
-    turns of a wave in one batch."""
+    turns of a wave in one batch. Fewer rows go together when their KV cache would not fit in `free_bytes`
+    (default: MemAvailable as each wave starts; `answer_rows`)."""
     p = next(model.parameters())
     d = cache_dir(target, convs, max_new, tail, p.device.type, p.dtype, cache)
     with build_lock(d):  # a second builder of the same cache waits, then reads it
-        return _continuations(target, model, convs, max_new, tail, batch_size, d, progress)
+        return _continuations(target, model, convs, max_new, tail, batch_size, d, progress, free_bytes)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take over all layers of a decoder (GQA: kv heads x head dim each)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * heads * head_dim * dtype.itemsize
+
+
+# A row's KV cache counted twice: its buffers grow by reallocation, and compacting them as rows leave
+# the batch holds both copies for a moment. With the weights beside it this is what the demo's 80-row
+# build peaked at (SmolLM2, fp32: ~8.5 GiB measured, ~8 GiB estimated).
+KV_SLACK = 2
+ANSWER_FLOOR_ROWS = 8  # fewer rows decode at a poor rate: below this the build is refused (eval memory)
+
+
+def answer_rows(per_token: int, seq_len: int, free: int | None, cap: int) -> int:
+    """Rows of one answer batch whose KV caches (seq_len tokens each, x KV_SLACK) fit in 90% of `free` bytes,
+    at most `cap`; `cap` when `free` is unknown. Raises MemoryError below ANSWER_FLOOR_ROWS, with the options."""
+    if free is None:
+        return cap
+    rows = min(cap, int(0.9 * free) // max(KV_SLACK * per_token * seq_len, 1))
+    if rows < min(ANSWER_FLOOR_ROWS, cap):
+        raise MemoryError(
+            f"the replay answers need ~{KV_SLACK * per_token * seq_len * min(ANSWER_FLOOR_ROWS, cap) / 2**30:.2f} GiB "
+            f"for {min(ANSWER_FLOOR_ROWS, cap)} rows of {seq_len} tokens, {free / 2**30:.2f} GiB is available: "
+            f"lower eval.max_new_tokens or eval.limit, or free memory")
+    return rows
 
 
 def build_lock(d: Path):
@@ -85,7 +117,8 @@ def build_lock(d: Path):
     return RunLock(d.parent / f".{d.name}.lock", wait_s=7 * 24 * 3600)
 
 
-def _continuations(target, model, convs, max_new, tail, batch_size, d, progress) -> tuple[list[Turn], Path, float]:
+def _continuations(target, model, convs, max_new, tail, batch_size, d, progress,
+                   free_bytes) -> tuple[list[Turn], Path, float]:
     from eagle3.config import RegenConfig
     from eagle3.decoding.generate import HFGenerator, finish
     from eagle3.model.target import prompt_ids
@@ -94,15 +127,23 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress)
         with open(d / TURNS, encoding="utf-8") as f:
             return [Turn(**json.loads(line)) for line in f], d, 0.0
 
+    from eagle3.runtime.heap import proc_bytes
+    from eagle3.runtime.progress import Meter
+
     tok, eos = target.tokenizer(), target.stop_ids()
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
     gen = HFGenerator(model, eos, RegenConfig(max_new_tokens=max_new, batch_size=batch_size, batch_tokens=1 << 20),
                       pad, tail=tail)
+    p = next(model.parameters())
+    per_token = kv_bytes_per_token(model.config, p.dtype) if p.device.type == "cpu" else None
     t0 = time.perf_counter()
     msgs = [list(c.messages) for c in convs]
     turns: list[Turn] = []
     prev: list[Turn | None] = [None] * len(convs)
-    for i in range(max(c.turns for c in convs)):  # one wave per turn: turn i needs each answer to turn i-1
+    waves = max(c.turns for c in convs)
+    # In decode steps, every wave counted at its whole length: an upper bound (most rows stop early).
+    meter = Meter("replay answers", waves * (max_new + tail), "steps", say=progress)
+    for i in range(waves):  # one wave per turn: turn i needs each answer to turn i-1
         todo = [n for n, c in enumerate(convs) if c.turns > i]
         prompts = []
         for n in todo:
@@ -114,14 +155,26 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress)
             text = tok.decode(answer, skip_special_tokens=True)  # as run_conversation renders the next turn
             msgs[n] += [{"role": "assistant", "content": text}, {"role": "user", "content": c.followups[i - 1]}]
             prompts.append(prompt_ids(tok, msgs[n]))
+        if per_token is not None:  # on CPU, as many rows as fit beside what is resident now
+            free = free_bytes if free_bytes is not None else proc_bytes("/proc/meminfo", "MemAvailable")
+            rows = answer_rows(per_token, max(map(len, prompts)) + max_new + tail, free, batch_size)
+            gen.cfg = gen.cfg.model_copy(update={"batch_size": rows})
+        span, batches, seen = max_new + tail, -(-len(todo) // gen.cfg.batch_size), [0]  # seen: batches finished
+
+        def step(done: int, left: int, *, i=i, batches=batches, span=span, seen=seen) -> None:
+            # a wave's batches share its `span` steps: step s of batch b stands at (b + s / span) / batches of it
+            meter.update(i * span + int((seen[0] + done / span) / batches * span),
+                         f"turn {i + 1}/{waves}, {left} rows decoding, {gen.tokens:,} tokens at "
+                         f"{gen.tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
+            seen[0] += left == 0
+        gen.on_step = step
         for n, prompt, g in zip(todo, prompts, gen.generate(prompts, [0] * len(prompts)), strict=True):
             answer = finish(g.raw, eos, max_new, keep_stop=True).ids
             t = Turn(convs[n].id, i, len(prompt), list(prompt) + g.raw, len(answer))
             turns.append(t)
             prev[n] = t
-        if progress is not None:
-            progress(f"replay cache: turn {i + 1}: {len(todo)} answers, {gen.tokens} tokens, "
-                     f"{gen.tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
+        meter.update((i + 1) * (max_new + tail), f"turn {i + 1}/{waves}: {len(todo)} answers, {gen.tokens:,} "
+                     f"tokens at {gen.tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
     seconds = time.perf_counter() - t0
     with atomic_dir(d) as tmp:
         (tmp / TURNS).write_text("".join(json.dumps(t.__dict__) + "\n" for t in turns), encoding="utf-8")
@@ -133,11 +186,13 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress)
 
 # ---------------------------------------------------------------- step 2: aux states
 def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[int], d: Path,
-               batch_tokens: int = 8192, packed: bool = True) -> tuple[list[torch.Tensor], float]:
+               batch_tokens: int = 8192, packed: bool = True,
+               progress: Progress | None = None) -> tuple[list[torch.Tensor], float]:
     """aux [T, 3, H] (bf16) of every turn's sequence, from one target forward each (cached in `d` per aux ids).
 
     packed: on CPU, the forward's linear layers run on oneDNN-prepacked weights, always that kernel (as
-    extraction does; `benchmarks/speed/replay.py --compare-build` measures the gain). False: torch's stock ones."""
+    extraction does; `benchmarks/speed/replay.py --compare-build` measures the gain). False: torch's stock ones.
+    `progress` gets a line at least every 20 s: tokens done, tok/s, ETA."""
     from safetensors.torch import load_file
 
     path = aux_path(d, aux_ids)
@@ -145,21 +200,24 @@ def aux_states(base: torch.nn.Module, turns: Sequence[Turn], aux_ids: Sequence[i
         if path.is_file():
             t = load_file(str(path))
             return [t[str(i)] for i in range(len(turns))], 0.0
-        return _aux_states(base, turns, aux_ids, path, batch_tokens, packed)
+        return _aux_states(base, turns, aux_ids, path, batch_tokens, packed, progress)
 
 
-def _aux_states(base, turns, aux_ids, path, batch_tokens, packed) -> tuple[list[torch.Tensor], float]:
+def _aux_states(base, turns, aux_ids, path, batch_tokens, packed, progress) -> tuple[list[torch.Tensor], float]:
     from safetensors.torch import save_file
 
     from eagle3.decoding.cpu_linear import packed_linears
     from eagle3.model.capture import hidden_states
+    from eagle3.runtime.progress import Meter
 
     t0 = time.perf_counter()
     out: dict[str, torch.Tensor] = {}
+    meter = Meter("replay aux states", sum(len(t.ids) for t in turns), "tokens", say=progress)
     # timed=False: one kernel for every row count, so a rebuilt cache is bitwise the same
     with packed_linears(base, timed=False) if packed else contextlib.nullcontext():
         for i, h in hidden_states(base, [torch.tensor(t.ids) for t in turns], aux_ids, batch_tokens):
             out[str(i)] = h.to(torch.bfloat16).contiguous()  # [T, 3, H]
+            meter.add(len(turns[i].ids))
     with atomic_path(path) as tmp:
         save_file(out, str(tmp))
     return [out[str(i)] for i in range(len(turns))], time.perf_counter() - t0
@@ -201,7 +259,7 @@ def build_replay_set(model_dir: str | Path, prompts: str | Path, limit: int, max
     model = target.load_model(head=True, device=dev)
     turns, d, gen_s = continuations(target, model, convs, max_new, tail, cache=Path(cache) if cache else None,
                                     progress=progress)
-    _, aux_s = aux_states(model.get_decoder(), turns, aux_ids, d)
+    _, aux_s = aux_states(model.get_decoder(), turns, aux_ids, d, progress=progress)
     if progress is not None:
         progress(f"replay set {d}: {len(turns)} turns, {sum(t.answer_len for t in turns)} answer tokens "
                  f"(continuations {gen_s:.1f} s, aux states {aux_s:.1f} s; 0 = cached)")

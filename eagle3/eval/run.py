@@ -51,9 +51,12 @@ def load_target(model_dir: str | Path, device: str | torch.device | None = None,
 
 
 def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg: EvalConfig, *,
-             device: str | None = None, progress: Callable[[int, int], None] | None = None,
+             device: str | None = None, progress: Callable[[str], None] | None = None,
              trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head as `cfg` says; write report.json, acceptance.png, samples.jsonl, manifest.json.
+
+    `progress` gets a line at least every 20 s of long work (the replay's answers and aux states: steps or
+    tokens, rate, ETA) and after each prompt decoded live; default: the `eagle3.eval` logger.
 
     A finished `out` with the same inputs and config is returned as is. `cfg.threads` sets torch's CPU
     threads for decoding: at batch size 1 it is latency-bound, and on a shared, loaded CPU OpenMP threads
@@ -82,39 +85,49 @@ def evaluate(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg:
     draft, fmt = load_draft(draft_dir, model_dir, model.get_input_embeddings().weight)
     p = next(model.parameters())
     draft = cast_draft(draft, p.device, p.dtype)
+    say = progress or log.info
     t0 = time.perf_counter()
+
+    def prompts_done(i: int, n: int) -> None:
+        say(f"eval: {i}/{n} prompts decoded live, {time.perf_counter() - t0:.0f} s in")
+
     if cfg.mode == "replay":
         with num_threads(build_threads):
             report = replay_report(Target.open(model_dir, trust_remote_code), model, draft, convs, cfg.k,
-                                   cfg.max_new_tokens, eos, cfg.replay_cache)
+                                   cfg.max_new_tokens, eos, cfg.replay_cache, say)
         if cfg.live_check:  # a few prompts decoded for real: lossless and speed, next to the exact tau of all
+            t0_live = time.perf_counter()
             live = measure(model, tok, DraftProposer(draft), draft.config.aux_layer_ids, convs[: cfg.live_check],
-                           cfg.k, cfg.live_max_new_tokens or cfg.max_new_tokens, eos, progress=progress)
+                           cfg.k, cfg.live_max_new_tokens or cfg.max_new_tokens, eos,
+                           progress=lambda i, n: say(f"eval: live check {i}/{n} prompts, "
+                                                     f"{time.perf_counter() - t0_live:.0f} s in"))
             report = with_live_check(report, live)
     else:
         report = measure(model, tok, DraftProposer(draft), draft.config.aux_layer_ids, convs, cfg.k,
-                         cfg.max_new_tokens, eos, progress=progress)
+                         cfg.max_new_tokens, eos, progress=prompts_done)
         report["mode"] = "live"
     report.update(backend="hf", draft_format=fmt, prompts=str(cfg.prompts), wall_seconds=time.perf_counter() - t0)
     return finish_report(out, report, cfg, model_dir, draft_dir, fp)
 
 
 def replay_report(target: Target, model: torch.nn.Module, draft: Eagle3Draft, convs: Sequence[Conversation], k: int,
-                  max_new_tokens: int, eos: set[int], cache: str | Path | None = None) -> dict[str, Any]:
+                  max_new_tokens: int, eos: set[int], cache: str | Path | None = None,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """`--mode replay`: tau from the target's cached greedy answers and one TTT pass of the draft
-    (eagle3/eval/replay.py); logs how long building each cache took."""
+    (eagle3/eval/replay.py); `progress` (default: the log) gets the builds' progress and how long each took."""
     from eagle3.eval.replay import aux_states, continuations, replay
 
+    say = progress or log.info
     turns, d, gen_s = continuations(target, model, convs, max_new_tokens, tail=max(k, 8),
-                                    cache=Path(cache) if cache else None, progress=log.info)
-    aux, aux_s = aux_states(model.get_decoder(), turns, draft.config.aux_layer_ids, d)
+                                    cache=Path(cache) if cache else None, progress=say)
+    aux, aux_s = aux_states(model.get_decoder(), turns, draft.config.aux_layer_ids, d, progress=say)
     t1 = time.perf_counter()
     report = replay(draft, turns, aux, convs, k, max_new_tokens, eos)
     report["replay_seconds"] = {"continuations": round(gen_s, 2), "aux_states": round(aux_s, 2),
                                 "replay": round(time.perf_counter() - t1, 2)}
     report["replay_cache"] = str(d)
-    log.info("replay: cache %s (continuations %.1f s, aux states %.1f s; 0 = cached), replay %.1f s", d, gen_s, aux_s,
-             time.perf_counter() - t1)
+    say(f"replay: cache {d} (continuations {gen_s:.1f} s, aux states {aux_s:.1f} s; 0 = cached), "
+        f"replay {time.perf_counter() - t1:.1f} s")
     return report
 
 

@@ -286,7 +286,9 @@ def finished(out: Path, fp: dict[str, Any]) -> TrainedDraft | None:
 class Pace:
     """The step loop's progress report: a tqdm `bar` on a terminal; without one (`tty` False: torchrun under
     Prefect) one log line per train record instead. `meter` holds the rows since the last train record, which
-    began at `t_win`; `t_start` and `step_start` are where this process's loop began (its rate, for the ETA)."""
+    began at `t_win`; `t_start` and `step_start` are where this process's loop began (its rate, for the ETA).
+    Without a terminal a line also goes out whenever 20 s passed since the last (`t_said`): slow steps, a long
+    log_every, and the stage still talks every 20 s; those lines are not records (metrics.jsonl stays the same)."""
 
     bar: Any
     tty: bool
@@ -294,6 +296,11 @@ class Pace:
     t_win: float
     t_start: float
     step_start: int
+    t_said: float = 0.0
+
+    def eta(self, step: int, total: int) -> str:
+        rate = (step - self.step_start) / max(time.perf_counter() - self.t_start, 1e-9)
+        return _eta((total - step) / max(rate, 1e-9))
 
 
 class Run:
@@ -453,6 +460,9 @@ class Run:
         pace.bar.update(1)
         if pos.step % cfg.log_every == 0 or pos.step == self.total:
             self.log_train(pace, gnorm)
+        elif not pace.tty and self.world.main and time.perf_counter() - pace.t_said >= 20:
+            pace.t_said = time.perf_counter()
+            log.info("train step %d/%d  ETA %s", pos.step, self.total, pace.eta(pos.step, self.total))
         if pos.step % cfg.val_every == 0:
             self.run_validation()
         if pos.step % cfg.ckpt_every == 0 and pos.step < self.total:
@@ -483,10 +493,9 @@ class Run:
             self.emit(rec)
             pace.bar.set_postfix_str(f"loss {w['loss']:.3f} acc0 {w['acc'][0]:.3f} {rec['tokens_per_s']:,.0f} tok/s")
             if not pace.tty:
-                rate = (pos.step - pace.step_start) / max(time.perf_counter() - pace.t_start, 1e-9)
+                pace.t_said = time.perf_counter()
                 log.info("train step %d/%d  loss %.4f  acc %s  %.0f tok/s  ETA %s", pos.step, total, w["loss"],
-                         [round(x, 3) for x in w["acc"]], rec["tokens_per_s"],
-                         _eta((total - pos.step) / max(rate, 1e-9)))
+                         [round(x, 3) for x in w["acc"]], rec["tokens_per_s"], pace.eta(pos.step, total))
         pace.meter, pace.t_win = Meter(self.cfg.ttt_steps), time.perf_counter()
 
     def run_validation(self) -> None:

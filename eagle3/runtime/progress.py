@@ -1,0 +1,55 @@
+"""A progress line for long work: done / total, the rate and an ETA, said at most every `every_s` seconds.
+
+A stage that computes for minutes must keep talking, or a user cannot tell it from a hang: every long loop
+(the eval's answer build and aux-state pass, the trainer's replay set) updates a `Meter` per step, and the
+meter says a line when `every_s` has passed since its last one (and at the end). `say` is where lines go:
+the Prefect run logger in a task, stderr on the command line, the `eagle3` logger by default.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+Say = Callable[[str], None]
+EVERY_S = 20.0  # under the 30 s a stage may stay silent, with room for one slow step
+
+
+def hms(s: float) -> str:
+    """'5m09s', or '1h02m' from an hour on."""
+    h, rem = divmod(int(max(s, 0)), 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+class Meter:
+    """`update(done)` after each step of `total` (in `unit`); a line at most every `every_s` s and when done
+    reaches total. `note`: what the line adds after the figures (rows left, the turn). The ETA is the time
+    left at the mean rate so far; where `total` is an upper bound (decoding stops early) so is the ETA."""
+
+    def __init__(self, what: str, total: int, unit: str = "tokens", say: Say | None = None,
+                 every_s: float = EVERY_S, clock: Callable[[], float] = time.monotonic):
+        self.what, self.total, self.unit, self.every_s, self.clock = what, max(int(total), 0), unit, every_s, clock
+        self.say = say or logging.getLogger("eagle3").info
+        self.t0 = self.last = clock()
+        self.done, self.lines = 0, 0
+
+    def rate(self) -> float:
+        return self.done / max(self.clock() - self.t0, 1e-9)
+
+    def line(self, note: str = "") -> str:
+        pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        r = self.rate()
+        eta = hms((self.total - self.done) / r) if r > 0 and self.total else "?"
+        return (f"{self.what}: {self.done:,}/{self.total:,} {self.unit}{pct}, {r:,.1f} {self.unit}/s, ETA {eta}"
+                + (f"; {note}" if note else ""))
+
+    def update(self, done: int, note: str = "") -> None:
+        self.done = min(int(done), self.total) if self.total else int(done)
+        now = self.clock()
+        if now - self.last >= self.every_s or (self.total and self.done >= self.total):
+            self.last = now
+            self.lines += 1
+            self.say(self.line(note))
+
+    def add(self, n: int, note: str = "") -> None:
+        self.update(self.done + n, note)
