@@ -13,7 +13,7 @@ Token counts come from the prepare manifest when it exists, else from the source
 (conversations x mean tokens, capped at max_len).
 
 Wall time per remaining stage, on CPU from SmolLM2 rates measured on a 2-core host, scaled by the
-target's size and by this host's speed (`host`: a few seconds of the same kernels, eagle3/runtime/probe.py:
+target's size and by this host's speed (`host`: a few seconds of the same kernels, eagle3/probe.py:
 hosts of one kind run this code 1.2-1.8x apart), on GPU (vLLM) from compute-bound planning rates; a run over
 `max_hours` is refused. On CPU the eval's answer build (the replay's batched greedy decoding, the run's
 memory peak) must fit MemAvailable with at least 8 rows at once, else the run is refused with the options.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from eagle3.config import DEFAULT_DRAFT_VOCAB, PipelineConfig, TargetPlan
 from eagle3.model.target import MLA_DRAFT_HEAD_DIM, Target
+from eagle3.probe import HostSpeed
 from eagle3.runtime.heap import proc_bytes
-from eagle3.runtime.probe import HostSpeed
 from eagle3.runtime.progress import hms
 
 GIB = 1 << 30
@@ -442,9 +442,9 @@ def replay_seconds(turns: int, new: int, host: HostSpeed | None = None) -> float
 
 def eval_memory(pl: Plan, cfg: PipelineConfig, t: TargetPlan, mem: int | None) -> list[str]:
     """The replay's answer build on CPU: a wave of rows (one turn of every prompt) decoded together, each row's
-    fp32 KV cache counted twice (eagle3/eval/replay.py, `answer_rows`), beside the target's fp32 weights.
+    fp32 KV cache counted twice (eagle3/decoding/batch_decode.py, `answer_rows`), beside the target's fp32 weights.
     The build takes fewer rows at once where they do not fit; below 8 it is refused, here first."""
-    from eagle3.eval.replay import ANSWER_FLOOR_ROWS, KV_SLACK
+    from eagle3.decoding.batch_decode import ANSWER_FLOOR_ROWS, KV_SLACK
 
     e = cfg.eval
     wave = eval_turns(cfg) // 2 if e.prompts == "mt-bench" else eval_turns(cfg)
@@ -471,14 +471,14 @@ PROBE_OVER_S = 120  # runs estimated shorter than this at the reference rates ar
 
 
 def measure_host(cfg: PipelineConfig) -> HostSpeed:
-    """This host's speed (eagle3/runtime/probe.py, measured once per process) where the run's remaining CPU work
+    """This host's speed (eagle3/probe.py, measured once per process) where the run's remaining CPU work
     is estimated over PROBE_OVER_S at the reference rates; else the reference (no probe). On a host whose
     stages run on GPUs the CPU rates plan nothing big, so it is not measured there either."""
     if _has_cuda():
         return HostSpeed()
     if plan(cfg, free_bytes=1 << 60, free_mem=1 << 60).total_seconds() <= PROBE_OVER_S:
         return HostSpeed()
-    from eagle3.runtime.probe import measure
+    from eagle3.probe import measure
 
     return measure()
 

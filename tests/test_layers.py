@@ -17,7 +17,7 @@ GROUPS = [
     # flags, the stage face
     ("decoding", {"eagle3.decoding"}),  # greedy decoding, KV cache, CPU linears, chains
     ("data", {"eagle3.data"}),  # conversation readers, normalization, template + loss mask, vocab map
-    ("planning", {"eagle3.preflight"}),  # sizes and times of a run before it starts
+    ("planning", {"eagle3.preflight", "eagle3.probe"}),  # sizes and times of a run before it starts; the host's speed
     ("stages", {"eagle3.regenerate", "eagle3.prepare", "eagle3.extract", "eagle3.verifier", "eagle3.train",
                 "eagle3.eval"}),
     ("commands", {"eagle3.cli", "eagle3.registry", "eagle3.checksums", "eagle3.assets"}),  # what the user runs

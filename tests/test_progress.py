@@ -31,7 +31,7 @@ def test_meter_says_a_line_at_most_every_20_s_and_at_the_end_with_rate_and_eta()
 
 
 def test_answer_rows_fit_free_memory_and_refuse_below_the_floor():
-    from eagle3.eval.replay import answer_rows
+    from eagle3.decoding.batch_decode import answer_rows
 
     per_token, seq = 46_080, 1_000  # SmolLM2 fp32: 30 layers x 2 x 3 kv heads x 64 x 4 bytes
     row = 2 * per_token * seq  # counted twice
@@ -43,8 +43,9 @@ def test_answer_rows_fit_free_memory_and_refuse_below_the_floor():
 
 
 def test_the_answer_build_reports_progress_and_a_tight_memory_splits_it_into_batches(tiny_llama_dir, tmp_path):
+    from eagle3.decoding.batch_decode import kv_bytes_per_token
     from eagle3.eval.prompts import load_prompts
-    from eagle3.eval.replay import continuations, kv_bytes_per_token
+    from eagle3.eval.replay import continuations
     from eagle3.model.target import Target
 
     p = tmp_path / "p.jsonl"
@@ -70,7 +71,7 @@ def test_preflight_scales_cpu_stages_by_the_host_and_checks_the_eval_memory(smol
 
     from eagle3.config import PipelineConfig
     from eagle3.preflight import GIB, plan
-    from eagle3.runtime.probe import HostSpeed
+    from eagle3.probe import HostSpeed
 
     demo = PipelineConfig.from_file(Path(__file__).parents[1] / "examples" / "smollm2-sharegpt.yaml")
     demo = demo.model_copy(update={"run_dir": "runs/none-yet"})

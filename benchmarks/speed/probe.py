@@ -1,4 +1,4 @@
-"""The preflight's host probe (eagle3/runtime/probe.py): its raw rates, run by run, and this host's speed against
+"""The preflight's host probe (eagle3/probe.py): its raw rates, run by run, and this host's speed against
 the reference host's, so the probe's own noise is seen next to what it measures.
 
     .venv/bin/python -m benchmarks.speed.probe [--runs 5]
@@ -16,7 +16,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     a = ap.parse_args()
-    from eagle3.runtime.probe import REFERENCE, rates
+    from eagle3.probe import REFERENCE, rates
 
     runs = []
     for _ in range(a.runs):

@@ -145,3 +145,33 @@ def gqa_decoding(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         cfg._attn_implementation = old
+
+
+# ---------------------------------------------------------------- how many rows fit
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take over all layers of a decoder (GQA: kv heads x head dim each)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * heads * head_dim * dtype.itemsize
+
+
+# A row's KV cache counted twice: its buffers grow by reallocation, and compacting them as rows leave
+# the batch holds both copies for a moment. With the weights beside it this is what the demo's 80-row
+# build peaked at (SmolLM2, fp32: ~8.5 GiB measured, ~8 GiB estimated).
+KV_SLACK = 2
+ANSWER_FLOOR_ROWS = 8  # fewer rows decode at a poor rate: below this the build is refused (eval memory)
+
+
+def answer_rows(per_token: int, seq_len: int, free: int | None, cap: int) -> int:
+    """Rows of one answer batch whose KV caches (seq_len tokens each, x KV_SLACK) fit in 90% of `free` bytes,
+    at most `cap`; `cap` when `free` is unknown. Raises MemoryError below ANSWER_FLOOR_ROWS, with the options."""
+    if free is None:
+        return cap
+    rows = min(cap, int(0.9 * free) // max(KV_SLACK * per_token * seq_len, 1))
+    if rows < min(ANSWER_FLOOR_ROWS, cap):
+        raise MemoryError(
+            f"the replay answers need ~{KV_SLACK * per_token * seq_len * min(ANSWER_FLOOR_ROWS, cap) / 2**30:.2f} GiB "
+            f"for {min(ANSWER_FLOOR_ROWS, cap)} rows of {seq_len} tokens, {free / 2**30:.2f} GiB is available: "
+            f"lower eval.max_new_tokens or eval.limit, or free memory")
+    return rows
