@@ -135,7 +135,7 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress,
 
         def step(done: int, left: int, *, i=i, batches=batches, span=span, seen=seen) -> None:
             # a wave's batches share its `span` steps: step s of batch b stands at (b + s / span) / batches of it
-            meter.update(i * span + int((seen[0] + done / span) / batches * span),
+            meter.update(i * span + min(int((seen[0] + done / span) / batches * span), span - 1),  # the wave's end says
                          f"turn {i + 1}/{waves}, {left} rows decoding, {gen.tokens:,} tokens at "
                          f"{gen.tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
             seen[0] += left == 0
