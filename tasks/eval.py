@@ -10,6 +10,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.config import EvalConfig
 from eagle3.eval.run import evaluate
+from eagle3.runtime.progress import Meter
 from eagle3.storage.manifests import EvalReport
 from tasks._cache import stage_task
 from tasks._gpus import hold_gpus
@@ -60,9 +61,14 @@ def publish(m: EvalReport, out: str) -> None:
 def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
     log = get_run_logger()
-    with hold_gpus():  # the target and the draft on the GPU host's devices
-        m = evaluate(model, draft, out, cfg, progress=log.info,
-                     trust_remote_code=trust_remote_code)
+    beat = Meter("eval", 0, say=log.info)  # says "eval: 2m10s in; working" in any 20 s the eval's own lines leave
+
+    def say(line: str) -> None:
+        beat.last = beat.clock()
+        log.info(line)
+
+    with hold_gpus(), beat.ticking():  # the target and the draft on the GPU host's devices
+        m = evaluate(model, draft, out, cfg, progress=say, trust_remote_code=trust_remote_code)
     log.info("eval (%s): tau %.3f at k=%d, lossless %s, %s tok/s, speedup %s over greedy", m.mode,
              m.acceptance_length, m.k, m.lossless, _r(m.tokens_per_second, 2), _r(m.speedup_vs_target, 3))
     return m

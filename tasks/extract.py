@@ -11,6 +11,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 
 from eagle3.config import ExtractConfig, TrainConfig
 from eagle3.extract import run_extract
+from eagle3.runtime.progress import Meter
 from eagle3.storage.manifests import HiddenRange, HiddenStates, SpooledStates
 from tasks._cache import content_policy, stage_task
 from tasks._faults import fail_once
@@ -42,25 +43,25 @@ def publish(m: HiddenStates, out: str) -> None:
 
 
 def _pace(log, what: str):
-    """The `progress(done, total)` callback of an extraction: a progress artifact (every 5 s), a log line every 20 s
-    with tok/s and an ETA, and the drill's injected failure halfway (when EAGLE3_FAIL_ONCE asks for one)."""
+    """The `progress(done, total)` callback of an extraction: a progress artifact (every 5 s), a log line every
+    20 s with tok/s and an ETA (`progress.meter`; inside `progress.meter.ticking()` also between batches that
+    take longer), and the drill's injected failure halfway (when EAGLE3_FAIL_ONCE asks for one)."""
     art = create_progress_artifact(0.0, description=f"eagle3 {what}: share of tokens done")
-    last, logged, t0 = [0.0], [time.monotonic()], time.monotonic()
+    meter = Meter(what, 0, "tokens", say=log.info)
+    last = [0.0]
 
     def progress(done: int, total: int) -> None:
         now = time.monotonic()
         if total and (now - last[0] > 5 or done == total):
             last[0] = now
             update_progress_artifact(art, 100.0 * done / total)
-        if total and done and (now - logged[0] > 20 or done == total):  # a log line every 20 s: tok/s, ETA
-            logged[0] = now
-            rate = done / max(now - t0, 1e-9)
-            log.info("%s: %d/%d tokens (%.0f%%), %.0f tok/s, ETA %.0f s", what, done, total, 100 * done / total,
-                     rate, (total - done) / max(rate, 1e-9))
+        if total:
+            meter.total = total
+            meter.update(done)
         if done >= total / 2:
             fail_once("extract")  # a drill, when EAGLE3_FAIL_ONCE asks for one
 
-    progress.artifact = art
+    progress.artifact, progress.meter = art, meter
     return progress
 
 
@@ -72,7 +73,7 @@ def extract_task(
     """Store the target's aux + final hidden states of the prepared samples (a retry resumes)."""
     log = get_run_logger()
     progress = _pace(log, "extract")
-    with hold_gpus():
+    with hold_gpus(), progress.meter.ticking():
         m = run_extract(model, prepared, out, cfg, reuse=reuse or [], progress=progress, show_progress=False,
                         trust_remote_code=trust_remote_code)
     update_progress_artifact(progress.artifact, 100.0)
@@ -108,7 +109,7 @@ def extract_range_task(model: str, prepared: str, out: str, cfg: ExtractConfig, 
 
     log, what = get_run_logger(), range_label(part, cfg.workers)
     progress = _pace(log, what)
-    with hold_gpus(devices), cuda_devices(devices):
+    with hold_gpus(devices), cuda_devices(devices), progress.meter.ticking():
         m = run_range(model, prepared, out, cfg, part, reuse=reuse or [], progress=progress, show_progress=False,
                       trust_remote_code=trust_remote_code)
     update_progress_artifact(progress.artifact, 100.0)

@@ -30,6 +30,23 @@ def test_meter_says_a_line_at_most_every_20_s_and_at_the_end_with_rate_and_eta()
     assert m.done == 100
 
 
+def test_a_ticking_meter_talks_between_steps_longer_than_its_cadence():
+    import time
+
+    lines: list[str] = []
+    m = Meter("extract", 0, "tokens", say=lines.append, every_s=0.2)
+    with m.ticking(poll_s=0.02):
+        time.sleep(0.5)  # a model loading: nothing counted yet
+        m.total = 1000
+        m.update(100)
+        time.sleep(0.5)  # one long batch
+    assert lines[0].startswith("extract: 0m00s in; working")
+    assert any(x.startswith("extract: 100/1,000 tokens (10%), ") and x.endswith("; working") for x in lines)
+    n = len(lines)
+    time.sleep(0.3)
+    assert len(lines) == n  # the thread ended with the block
+
+
 def test_answer_rows_fit_free_memory_and_refuse_below_the_floor():
     from eagle3.decoding.batch_decode import answer_rows
 

@@ -7,9 +7,11 @@ the Prefect run logger in a task, stderr on the command line, the `eagle3` logge
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 Say = Callable[[str], None]
 EVERY_S = 20.0  # under the 30 s a stage may stay silent, with room for one slow step
@@ -31,12 +33,14 @@ class Meter:
         self.what, self.total, self.unit, self.every_s, self.clock = what, max(int(total), 0), unit, every_s, clock
         self.say = say or logging.getLogger("eagle3").info
         self.t0 = self.last = clock()
-        self.done, self.lines = 0, 0
+        self.done, self.lines, self.note = 0, 0, ""
 
     def rate(self) -> float:
         return self.done / max(self.clock() - self.t0, 1e-9)
 
     def line(self, note: str = "") -> str:
+        if not self.total and not self.done:  # nothing counted yet (a model still loading)
+            return f"{self.what}: {hms(self.clock() - self.t0)} in" + (f"; {note}" if note else "")
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         r = self.rate()
         eta = hms((self.total - self.done) / r) if r > 0 and self.total else "?"
@@ -45,11 +49,35 @@ class Meter:
 
     def update(self, done: int, note: str = "") -> None:
         self.done = min(int(done), self.total) if self.total else int(done)
+        self.note = note
         now = self.clock()
         if now - self.last >= self.every_s or (self.total and self.done >= self.total):
-            self.last = now
-            self.lines += 1
-            self.say(self.line(note))
+            self._say(now, note)
+
+    def _say(self, now: float, note: str) -> None:
+        self.last = now
+        self.lines += 1
+        self.say(self.line(note))
+
+    @contextlib.contextmanager
+    def ticking(self, poll_s: float = 1.0) -> Iterator["Meter"]:
+        """Inside the block a thread says the latest line whenever `every_s` passed without one: work whose
+        steps are longer than that (an extraction batch of 16k tokens on a slow host) still talks on time."""
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.wait(poll_s):
+                now = self.clock()
+                if now - self.last >= self.every_s:
+                    self._say(now, "; ".join(x for x in (self.note, "working") if x))
+
+        t = threading.Thread(target=tick, name=f"meter {self.what}", daemon=True)
+        t.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            t.join()
 
     def add(self, n: int, note: str = "") -> None:
         self.update(self.done + n, note)
