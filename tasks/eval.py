@@ -61,7 +61,7 @@ def publish(m: EvalReport, out: str) -> None:
 def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
     log = get_run_logger()
-    beat = Meter("eval", 0, say=log.info)  # says "eval: 2m10s in; working" in any 20 s the eval's own lines leave
+    beat = Meter("eval", 0, say=log.info)  # "eval: 2m10s in; working" in any 30 s the eval's own lines leave
 
     def say(line: str) -> None:
         beat.last = beat.clock()

@@ -34,7 +34,7 @@ def test_a_ticking_meter_talks_between_steps_longer_than_its_cadence():
     import time
 
     lines: list[str] = []
-    m = Meter("extract", 0, "tokens", say=lines.append, every_s=0.2)
+    m = Meter("extract", 0, "tokens", say=lines.append, every_s=0.15)
     with m.ticking(poll_s=0.02):
         time.sleep(0.5)  # a model loading: nothing counted yet
         m.total = 1000

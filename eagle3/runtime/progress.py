@@ -26,7 +26,8 @@ def hms(s: float) -> str:
 class Meter:
     """`update(done)` after each step of `total` (in `unit`); a line at most every `every_s` s and when done
     reaches total. `note`: what the line adds after the figures (rows left, the turn). The ETA is the time
-    left at the mean rate so far; where `total` is an upper bound (decoding stops early) so is the ETA."""
+    left at the mean rate since the first update; where `total` is an upper bound (decoding stops early) so is
+    the ETA."""
 
     def __init__(self, what: str, total: int, unit: str = "tokens", say: Say | None = None,
                  every_s: float = EVERY_S, clock: Callable[[], float] = time.monotonic):
@@ -34,9 +35,13 @@ class Meter:
         self.say = say or logging.getLogger("eagle3").info
         self.t0 = self.last = clock()
         self.done, self.lines, self.note = 0, 0, ""
+        self.first: tuple[float, int] | None = None  # (time, done) of the first update
 
     def rate(self) -> float:
-        return self.done / max(self.clock() - self.t0, 1e-9)
+        """Per second since the first update: what came before it (a model load, a prefill) is not the rate."""
+        if self.first is None or self.done <= self.first[1]:
+            return 0.0
+        return (self.done - self.first[1]) / max(self.clock() - self.first[0], 1e-9)
 
     def line(self, note: str = "") -> str:
         if not self.total and not self.done:  # nothing counted yet (a model still loading)
@@ -44,13 +49,16 @@ class Meter:
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         r = self.rate()
         eta = hms((self.total - self.done) / r) if r > 0 and self.total else "?"
-        return (f"{self.what}: {self.done:,}/{self.total:,} {self.unit}{pct}, {r:,.1f} {self.unit}/s, ETA {eta}"
+        rate = f"{r:,.1f} {self.unit}/s" if r > 0 else f"? {self.unit}/s"
+        return (f"{self.what}: {self.done:,}/{self.total:,} {self.unit}{pct}, {rate}, ETA {eta}"
                 + (f"; {note}" if note else ""))
 
     def update(self, done: int, note: str = "") -> None:
         self.done = min(int(done), self.total) if self.total else int(done)
         self.note = note
         now = self.clock()
+        if self.first is None:
+            self.first = (now, self.done)
         if now - self.last >= self.every_s or (self.total and self.done >= self.total):
             self._say(now, note)
 
@@ -61,14 +69,14 @@ class Meter:
 
     @contextlib.contextmanager
     def ticking(self, poll_s: float = 1.0) -> Iterator["Meter"]:
-        """Inside the block a thread says the latest line whenever `every_s` passed without one: work whose
-        steps are longer than that (an extraction batch of 16k tokens on a slow host) still talks on time."""
+        """Inside the block a thread says the latest line whenever 1.5 x `every_s` (30 s) passed without one: work
+        whose steps are longer (an extraction batch of 16k tokens on a slow host, a model load) still talks."""
         stop = threading.Event()
 
         def tick() -> None:
             while not stop.wait(poll_s):
                 now = self.clock()
-                if now - self.last >= self.every_s:
+                if now - self.last >= 1.5 * self.every_s:  # a silence, not the meter's own cadence
                     self._say(now, "; ".join(x for x in (self.note, "working") if x))
 
         t = threading.Thread(target=tick, name=f"meter {self.what}", daemon=True)
