@@ -239,6 +239,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     # (the target's full-vocab argmax is cached per sample after the first epoch)
     cpu_s = (tokens / 700 + tokens * (tc.epochs - 1) / 1100) * (P / 10e6) * (tc.ttt_steps / 3)
     tr_s = tr_flops / (tc.world * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s / host.train
+    tr_s *= steps_share(cfg, tokens)  # max_steps may end training before train.epochs
     epochs = epochs_read(cfg, tokens) if cfg.mode == "online" else 1  # online: extraction runs once per epoch
     ex_s *= worker_share(cfg, t, tokens)
     pl.seconds = stage_seconds(cfg, t, tokens, ex_s * epochs, tr_s, host)
@@ -370,16 +371,25 @@ def disk_problem(cfg: PipelineConfig, t: TargetPlan, total: float, free: int, sp
                            f"(prepare.limit / max_len), or another run_dir")
 
 
-def epochs_read(cfg: PipelineConfig, tokens: int) -> int:
-    """Epochs of train data the trainer reads: train.epochs, or max_steps over the steps of one epoch. Packs are
-    counted as train tokens / pack_tokens; greedy packing leaves gaps, so there are more and this errs high."""
+def steps_per_epoch(cfg: PipelineConfig, tokens: int) -> int:
+    """Optimizer steps of one epoch. Packs are counted as train tokens / pack_tokens; greedy packing leaves gaps,
+    so there are more and this errs low."""
     tc = cfg.train
-    if not tc.max_steps:
-        return tc.epochs
-    train = tokens * (1 - val_share(cfg))
-    packs = max(1, -(-int(train) // tc.pack_tokens))
-    per_epoch = -(-packs // (tc.world * tc.grad_accum))
-    return -(-tc.max_steps // per_epoch)
+    packs = max(1, -(-int(tokens * (1 - val_share(cfg))) // tc.pack_tokens))
+    return -(-packs // (tc.world * tc.grad_accum))
+
+
+def epochs_read(cfg: PipelineConfig, tokens: int) -> int:
+    """Epochs of train data the trainer reads: train.epochs, or max_steps over the steps of one epoch."""
+    tc = cfg.train
+    return -(-tc.max_steps // steps_per_epoch(cfg, tokens)) if tc.max_steps else tc.epochs
+
+
+def steps_share(cfg: PipelineConfig, tokens: int) -> float:
+    """The share of train.epochs' steps the trainer takes: below 1 where max_steps ends it earlier."""
+    tc = cfg.train
+    full = tc.epochs * steps_per_epoch(cfg, tokens)
+    return min(1.0, tc.max_steps / full) if tc.max_steps else 1.0
 
 
 def online_pair_seconds(cfg: PipelineConfig, seconds: dict[str, float], store: float, val: float,
