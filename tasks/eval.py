@@ -62,13 +62,8 @@ def eval_task(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_co
     """Measure a draft head: acceptance length, speedup over plain greedy, lossless check."""
     log = get_run_logger()
     beat = Meter("eval", 0, say=log.info)  # "eval: 2m10s in; working" in any 30 s the eval's own lines leave
-
-    def say(line: str) -> None:
-        beat.last = beat.clock()
-        log.info(line)
-
     with hold_gpus(), beat.ticking():  # the target and the draft on the GPU host's devices
-        m = evaluate(model, draft, out, cfg, progress=say, trust_remote_code=trust_remote_code)
+        m = evaluate(model, draft, out, cfg, progress=beat.relay(log.info), trust_remote_code=trust_remote_code)
     log.info("eval (%s): tau %.3f at k=%d, lossless %s, %s tok/s, speedup %s over greedy", m.mode,
              m.acceptance_length, m.k, m.lossless, _r(m.tokens_per_second, 2), _r(m.speedup_vs_target, 3))
     return m

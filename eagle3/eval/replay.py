@@ -113,6 +113,10 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress,
     turns: list[Turn] = []
     prev: list[Turn | None] = [None] * len(convs)
     waves = max(c.turns for c in convs)
+
+    def tokens() -> str:
+        return f"{gen.tokens:,} tokens at {gen.tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s"
+
     # In decode steps, every wave counted at its whole length: an upper bound (most rows stop early).
     meter = Meter("replay answers", waves * (max_new + tail), "steps", say=progress)
     for i in range(waves):  # one wave per turn: turn i needs each answer to turn i-1
@@ -136,8 +140,7 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress,
         def step(done: int, left: int, *, i=i, batches=batches, span=span, seen=seen) -> None:
             # a wave's batches share its `span` steps: step s of batch b stands at (b + s / span) / batches of it
             meter.update(i * span + min(int((seen[0] + done / span) / batches * span), span - 1),  # the wave's end says
-                         f"turn {i + 1}/{waves}, {left} rows decoding, {gen.tokens:,} tokens at "
-                         f"{gen.tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
+                         f"turn {i + 1}/{waves}, {left} rows decoding, {tokens()}")
             seen[0] += left == 0
         gen.on_step = step
         for n, prompt, g in zip(todo, prompts, gen.generate(prompts, [0] * len(prompts)), strict=True):
@@ -145,8 +148,7 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress,
             t = Turn(convs[n].id, i, len(prompt), list(prompt) + g.raw, len(answer))
             turns.append(t)
             prev[n] = t
-        meter.update((i + 1) * (max_new + tail), f"turn {i + 1}/{waves}: {len(todo)} answers, {gen.tokens:,} "
-                     f"tokens at {gen.tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
+        meter.update((i + 1) * span, f"turn {i + 1}/{waves}: {len(todo)} answers, {tokens()}")
     seconds = time.perf_counter() - t0
     with atomic_dir(d) as tmp:
         (tmp / TURNS).write_text("".join(json.dumps(t.__dict__) + "\n" for t in turns), encoding="utf-8")

@@ -89,3 +89,11 @@ class Meter:
 
     def add(self, n: int, note: str = "") -> None:
         self.update(self.done + n, note)
+
+    def relay(self, say: Say) -> Say:
+        """`say`, noting each line as heard: a ticking meter then speaks only where the relayed lines leave a
+        silence (a task's heartbeat around library code that reports on its own)."""
+        def relayed(line: str) -> None:
+            self.last = self.clock()
+            say(line)
+        return relayed
