@@ -9,8 +9,8 @@ Estimates (bytes unless said otherwise):
   being written), plus the fp32 export; CPU peak memory ~ k x pack x Vd x 4 x 3 (logits, their
   gradient, the softmax) + 2 V x H x 4 (target head);
 - extract on GPU (vLLM): weights P_target x weight_bytes / (TP x PP) must fit gpu_memory_utilization.
-Token counts come from the prepare manifest when it exists, else from the source size
-(conversations x mean tokens, capped at max_len).
+Token counts come from the prepare manifest when it exists, else from the first 1,000 records of the source run
+through prepare's own stream and scaled to the records it will read (else ShareGPT's measured share and mean).
 
 Wall time per remaining stage, on CPU from SmolLM2 rates measured on a 2-core host, scaled by the
 target's size and by this host's speed (`host`: a few seconds of the same kernels, eagle3/probe.py:
@@ -23,6 +23,7 @@ plus one shard's start-up, not their sum.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -49,7 +50,11 @@ PREPARE_CONV_PER_S = 490          # prepare, conversations/s
 EVAL_CPU_TOK_PER_S = 15           # live eval (hf, one thread, k=3), generated tok/s counting both passes
 REPLAY_CPU_DECODE_TOK_PER_S = 180  # replay: the target's greedy answers, batched (turns x max_new per s)
 REPLAY_CPU_FORWARD_TOK_PER_S = 1000  # replay: their aux states, one forward on packed linears
-REPLAY_SET_CPU_TOK_PER_S = 7.7    # the trainer's small replay set: step-bound decoding
+# the trainer's small replay set (val prompts answered greedily, batched): a fixed start (a process, the weights), each
+# prompt's prefill and aux states, and decoding bound by its steps (~10 rows at once in the demo)
+REPLAY_SET_CPU_START_S = 10
+REPLAY_SET_CPU_S_PER_PROMPT = 1.6
+REPLAY_SET_CPU_STEPS_PER_S = 12
 REGEN_CPU_TOK_PER_S = 22          # regenerate (hf, batch 8)
 SMOLLM2_PARAMS = 135e6
 VLLM_START_S = 120                # vLLM (planning assumptions): an engine's start
@@ -125,14 +130,49 @@ def target_plan(cfg: PipelineConfig) -> TargetPlan:
 
 
 def expected_tokens(cfg: PipelineConfig) -> int:
-    """Tokens the prepare stage writes: from its manifest if it ran, else estimated from the source."""
+    """Tokens the prepare stage writes: from its manifest if it ran, else scaled from a sample of the source run
+    through prepare's own stream (`sampled`), else from ShareGPT's measured share and mean."""
     from eagle3.storage.manifests import PreparedData
 
     done = cfg.stage_dir("prepare")
     if PreparedData.exists(done):
         return PreparedData.read(done).num_tokens
+    if (s := sampled(cfg)) is not None:
+        read, _, tokens = s
+        return int(expected_conversations(cfg) * tokens / read)
     p = cfg.prepare
     return int(expected_conversations(cfg) * SHAREGPT_KEPT * min(p.max_len, SHAREGPT_MEAN_TOKENS))
+
+
+def kept_share(cfg: PipelineConfig) -> float:
+    """The share of read records prepare keeps: the sample's, else ShareGPT's measured share."""
+    s = sampled(cfg)
+    return s[1] / s[0] if s is not None else SHAREGPT_KEPT
+
+
+SAMPLE_RECORDS = 1000  # ~2 s of prepare's stream on a 2-core host
+
+
+def sampled(cfg: PipelineConfig) -> tuple[int, int, int] | None:
+    """(read, kept, tokens) of the first SAMPLE_RECORDS records prepare would read (eagle3.prepare.run.sample);
+    None where the target or the source is not on this machine, or prepare would fail (prepare itself then
+    says why). Measured once per process and config."""
+    if not (Path(cfg.model) / "config.json").is_file():
+        return None
+    return _sample(str(cfg.model), cfg.prepare.model_dump_json(), cfg.trust_remote_code)
+
+
+@functools.lru_cache(maxsize=8)
+def _sample(model: str, prepare_json: str, trust_remote_code: bool) -> tuple[int, int, int] | None:
+    from eagle3.config import PrepareConfig
+    from eagle3.prepare.run import sample
+
+    try:
+        read, kept, tokens = sample(model, PrepareConfig.model_validate_json(prepare_json), SAMPLE_RECORDS,
+                                    trust_remote_code)
+    except Exception:  # noqa: BLE001 -- an estimate only: the prepare stage raises the same error, with its context
+        return None
+    return (read, kept, tokens) if read and kept else None
 
 
 def expected_conversations(cfg: PipelineConfig) -> int:
@@ -153,12 +193,12 @@ def expected_conversations(cfg: PipelineConfig) -> int:
 
 def val_samples(cfg: PipelineConfig) -> int:
     """Samples prepare will put in the validation split."""
-    return max(cfg.prepare.min_val, int(expected_conversations(cfg) * SHAREGPT_KEPT * cfg.prepare.val_fraction))
+    return max(cfg.prepare.min_val, int(expected_conversations(cfg) * kept_share(cfg) * cfg.prepare.val_fraction))
 
 
 def val_share(cfg: PipelineConfig) -> float:
     """The validation split's share of the prepared samples."""
-    return min(1.0, val_samples(cfg) / max(1.0, expected_conversations(cfg) * SHAREGPT_KEPT))
+    return min(1.0, val_samples(cfg) / max(1.0, expected_conversations(cfg) * kept_share(cfg)))
 
 
 def eval_turns(cfg: PipelineConfig) -> int:
@@ -425,8 +465,9 @@ def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, 
     else:  # speculative and plain greedy decoding of every turn, one sequence at a time
         ev_s = turns * new * 2 / (EVAL_CPU_TOK_PER_S * host.decode) * size
     if cfg.extract.backend != "vllm" and cfg.train.replay_prompts:  # the replay set, built before training
-        tr_s += min(cfg.train.replay_prompts, val_samples(cfg)) * cfg.train.replay_max_new_tokens \
-            / (REPLAY_SET_CPU_TOK_PER_S * host.decode) * size
+        n = min(cfg.train.replay_prompts, val_samples(cfg))
+        tr_s += (REPLAY_SET_CPU_START_S + n * REPLAY_SET_CPU_S_PER_PROMPT / host.forward
+                 + cfg.train.replay_max_new_tokens / (REPLAY_SET_CPU_STEPS_PER_S * host.decode)) * size
     done = {"prepare": PreparedData, "extract": HiddenStates, "verifier": VerifierWeights, "train": TrainedDraft,
             "eval": EvalReport}
     est = {"prepare": 5 + expected_conversations(cfg) / PREPARE_CONV_PER_S, "extract": ex_s,

@@ -82,3 +82,45 @@ def test_buffer_layer_select_rows(keep):
     assert (layer.kbuf.data_ptr() == ptr) == (keep == sorted(set(keep)))
     layer.update(k[keep][:, :, :2], v[keep][:, :, :2])  # decoding goes on in the compacted buffers
     assert torch.equal(layer.keys, torch.cat([k[keep], k[keep][:, :, :2]], 2))
+
+
+def test_prefill_groups():
+    from eagle3.decoding.generate import prefill_groups
+
+    assert prefill_groups([402, 380, 300, 299, 120, 90, 42]) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert prefill_groups([9]) == [(0, 1)] and prefill_groups([5, 5, 4]) == [(0, 3)]
+    assert prefill_groups([3, 10, 9, 2]) == [(0, 3), (3, 4)]  # a run's longest need not come first
+
+
+def test_grouped_prefill_equals_one_padded_prefill(tiny_llama_dir):
+    """Rows of very different lengths prefill in groups, each padded to its own longest, into one batch's
+    buffers: the greedy answers equal the same batch prefilled as one padded forward, and each row alone."""
+    from eagle3.config import RegenConfig
+    from eagle3.decoding import generate as gen_mod
+    from eagle3.decoding.generate import HFGenerator
+
+    model = Target.open(tiny_llama_dir).load_model(head=True, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (41, 37, 23, 22, 9, 4)]
+    assert len(gen_mod.prefill_groups([len(p) for p in prompts])) == 4
+
+    def answers(batch: int) -> list[list[int]]:
+        gen = HFGenerator(model, {2}, RegenConfig(max_new_tokens=12, batch_size=batch, batch_tokens=1 << 20), 0)
+        return [x.raw for x in gen.generate(prompts, [0] * len(prompts))]
+
+    calls = []
+    window = BufferLayer.window
+    BufferLayer.window = lambda self, rows, start: calls.append(start) or window(self, rows, start)
+    try:
+        grouped = answers(len(prompts))
+    finally:
+        BufferLayer.window = window
+    assert sorted(set(calls)) == [18, 32, 37]  # the three later groups written in place, from their own columns
+    alone = answers(1)
+    one = gen_mod.prefill_groups
+    gen_mod.prefill_groups = lambda lengths: [(0, len(lengths))]  # the whole batch as one padded forward
+    try:
+        padded = answers(len(prompts))
+    finally:
+        gen_mod.prefill_groups = one
+    assert grouped == padded == alone and all(len(a) == 12 for a in grouped)

@@ -95,6 +95,14 @@ class BufferLayer(DynamicLayer):
             self.kbuf, self.vbuf = self.kbuf[: len(idx)], self.vbuf[: len(idx)]  # views: [b, Hkv, cap, D]
         self._views()
 
+    def window(self, rows: slice, start: int) -> "BufferLayer":
+        """An empty layer over `rows` of this (allocated) layer's buffers from position `start` on: a prefill of
+        those rows alone, through it, writes their K/V in place (`HFGenerator`'s grouped prefill)."""
+        w = BufferLayer(self.kbuf.shape[2] - start)
+        w.kbuf, w.vbuf = self.kbuf[rows, :, start:], self.vbuf[rows, :, start:]
+        w.dtype, w.device, w.n, w.is_initialized = self.dtype, self.device, 0, True
+        return w
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("BufferLayer is for greedy/sampled batch decoding, not beam search")
 
