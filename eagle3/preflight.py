@@ -46,10 +46,17 @@ HEADROOM = 1.10               # 10% slack on every disk estimate
 # measured, with its command: benchmarks/RESULTS.md, "Planning rates of the preflight".
 GPU_PREFILL_FLOPS = 400e12
 GPU_TRAIN_FLOPS = 150e12
-PREPARE_CONV_PER_S = 490          # prepare, conversations/s
-EVAL_CPU_TOK_PER_S = 15           # live eval (hf, one thread, k=3), generated tok/s counting both passes
-REPLAY_CPU_DECODE_TOK_PER_S = 180  # replay: the target's greedy answers, batched (turns x max_new per s)
-REPLAY_CPU_FORWARD_TOK_PER_S = 1000  # replay: their aux states, one forward on packed linears
+PREPARE_CONV_PER_S = 490          # prepare, conversations/s (where no sample of the source was timed)
+EXTRACT_CPU_TOK_PER_S = 440       # hf extraction, 2 threads, packed linears
+# training, k=3, 2048-token packs, 2 threads: the first epoch (it computes the target's full-vocab argmax where a
+# loss reads it) and later ones (the argmax cached per sample); plus torchrun's start and each validation's
+# forward over the val split (about half a training step's cost per token)
+TRAIN_CPU_TOK_PER_S = (525, 800)
+TRAIN_CPU_START_S = 15
+EVAL_CPU_TOK_PER_S = 13           # live eval (hf, one thread, k=3), generated tok/s counting both passes
+EVAL_CPU_START_S = 20             # the eval's fixed part: the target and the draft loaded, the replay itself
+REPLAY_CPU_DECODE_TOK_PER_S = 185  # replay: the target's greedy answers, batched (turns x max_new per s)
+REPLAY_CPU_FORWARD_TOK_PER_S = 580  # replay: their aux states, one forward on packed linears (2 x turns x max_new)
 # the trainer's small replay set (val prompts answered greedily, batched): a fixed start (a process, the weights), each
 # prompt's prefill and aux states, and decoding bound by its steps (~10 rows at once in the demo)
 REPLAY_SET_CPU_START_S = 10
@@ -138,7 +145,7 @@ def expected_tokens(cfg: PipelineConfig) -> int:
     if PreparedData.exists(done):
         return PreparedData.read(done).num_tokens
     if (s := sampled(cfg)) is not None:
-        read, _, tokens = s
+        read, _, tokens, _ = s
         return int(expected_conversations(cfg) * tokens / read)
     p = cfg.prepare
     return int(expected_conversations(cfg) * SHAREGPT_KEPT * min(p.max_len, SHAREGPT_MEAN_TOKENS))
@@ -153,8 +160,8 @@ def kept_share(cfg: PipelineConfig) -> float:
 SAMPLE_RECORDS = 1000  # ~2 s of prepare's stream on a 2-core host
 
 
-def sampled(cfg: PipelineConfig) -> tuple[int, int, int] | None:
-    """(read, kept, tokens) of the first SAMPLE_RECORDS records prepare would read (eagle3.prepare.run.sample);
+def sampled(cfg: PipelineConfig) -> tuple[int, int, int, float] | None:
+    """(read, kept, tokens, seconds) of the first SAMPLE_RECORDS records prepare would read (eagle3.prepare.run.sample);
     None where the target or the source is not on this machine, or prepare would fail (prepare itself then
     says why). Measured once per process and config."""
     if not (Path(cfg.model) / "config.json").is_file():
@@ -163,16 +170,16 @@ def sampled(cfg: PipelineConfig) -> tuple[int, int, int] | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _sample(model: str, prepare_json: str, trust_remote_code: bool) -> tuple[int, int, int] | None:
+def _sample(model: str, prepare_json: str, trust_remote_code: bool) -> tuple[int, int, int, float] | None:
     from eagle3.config import PrepareConfig
     from eagle3.prepare.run import sample
 
     try:
-        read, kept, tokens = sample(model, PrepareConfig.model_validate_json(prepare_json), SAMPLE_RECORDS,
-                                    trust_remote_code)
+        read, kept, tokens, seconds = sample(model, PrepareConfig.model_validate_json(prepare_json), SAMPLE_RECORDS,
+                                             trust_remote_code)
     except Exception:  # noqa: BLE001 -- an estimate only: the prepare stage raises the same error, with its context
         return None
-    return (read, kept, tokens) if read and kept else None
+    return (read, kept, tokens, seconds) if read and kept else None
 
 
 def expected_conversations(cfg: PipelineConfig) -> int:
@@ -271,13 +278,15 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     if cfg.extract.backend == "vllm":
         ex_s = 2 * active * tokens / (gpus * GPU_PREFILL_FLOPS)
     else:
-        ex_s = tokens / 650 * (active / 135e6) / host.forward
+        ex_s = tokens / EXTRACT_CPU_TOK_PER_S * (active / SMOLLM2_PARAMS) / host.forward
     pd = P - vd * t.hidden_size - 3 * t.hidden_size * t.hidden_size  # one TTT step's layer weights
     tr_flops = (6 * (pd + vd * t.hidden_size) * tc.ttt_steps * tokens * tc.epochs
                 + 2 * t.vocab_size * t.hidden_size * tokens * tc.epochs)
-    # CPU: measured SmolLM2 rates (2 threads, k=3): ~700 tok/s in epoch 1, ~1,100 tok/s later
-    # (the target's full-vocab argmax is cached per sample after the first epoch)
-    cpu_s = (tokens / 700 + tokens * (tc.epochs - 1) / 1100) * (P / 10e6) * (tc.ttt_steps / 3)
+    # CPU: measured SmolLM2 rates, scaled by the draft's size and the unroll
+    r1, r2 = TRAIN_CPU_TOK_PER_S
+    vals = tc.epochs + tc.epochs * steps_per_epoch(cfg, tokens) // tc.val_every
+    cpu_s = ((tokens / r1 + tokens * (tc.epochs - 1) / r2 + vals * tokens * val_share(cfg) * 2 / r2)
+             * (P / 10e6) * (tc.ttt_steps / 3) + TRAIN_CPU_START_S)
     tr_s = tr_flops / (tc.world * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s / host.train
     tr_s *= steps_share(cfg, tokens)  # max_steps may end training before train.epochs
     epochs = epochs_read(cfg, tokens) if cfg.mode == "online" else 1  # online: extraction runs once per epoch
@@ -459,19 +468,21 @@ def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, 
     if cfg.eval.backend == "vllm":  # two engines (target alone, speculative), each starts and decodes
         ev_s = 2 * VLLM_START_S + 2 * turns * new / VLLM_DECODE_TOK_PER_S
     elif cfg.eval.mode == "replay":  # cached greedy answers (batched), one forward for the aux states, a live check
-        ev_s = replay_seconds(turns, new, host) * size
+        ev_s = EVAL_CPU_START_S / host.decode + replay_seconds(turns, new, host) * size
         ev_s += 2 * min(cfg.eval.live_check, turns // 2 or 1) * (cfg.eval.live_max_new_tokens or new) * 2 \
             / (EVAL_CPU_TOK_PER_S * host.decode) * size if cfg.eval.live_check else 0
     else:  # speculative and plain greedy decoding of every turn, one sequence at a time
         ev_s = turns * new * 2 / (EVAL_CPU_TOK_PER_S * host.decode) * size
     if cfg.extract.backend != "vllm" and cfg.train.replay_prompts:  # the replay set, built before training
         n = min(cfg.train.replay_prompts, val_samples(cfg))
-        tr_s += (REPLAY_SET_CPU_START_S + n * REPLAY_SET_CPU_S_PER_PROMPT / host.forward
-                 + cfg.train.replay_max_new_tokens / (REPLAY_SET_CPU_STEPS_PER_S * host.decode)) * size
+        tr_s += (REPLAY_SET_CPU_START_S + n * REPLAY_SET_CPU_S_PER_PROMPT
+                 + cfg.train.replay_max_new_tokens / REPLAY_SET_CPU_STEPS_PER_S) / host.decode * size
     done = {"prepare": PreparedData, "extract": HiddenStates, "verifier": VerifierWeights, "train": TrainedDraft,
             "eval": EvalReport}
-    est = {"prepare": 5 + expected_conversations(cfg) / PREPARE_CONV_PER_S, "extract": ex_s,
-           "verifier": 2 + (2 * t.vocab_size + vd) * t.hidden_size * t.weight_bytes / 500e6, "train": tr_s,
+    s = sampled(cfg)  # prepare's own stream timed on a sample of the source, where there is one
+    prep = s[3] * expected_conversations(cfg) / s[0] if s else 5 + expected_conversations(cfg) / PREPARE_CONV_PER_S
+    est = {"prepare": prep, "extract": ex_s,
+           "verifier": 0.5 + (2 * t.vocab_size + vd) * t.hidden_size * t.weight_bytes / 500e6, "train": tr_s,
            "eval": ev_s}
     out = {k: v for k, v in est.items() if not done[k].exists(cfg.stage_dir(k))}
     r = cfg.regenerate

@@ -10,8 +10,8 @@ by as much. A few seconds of the same kernels tell the preflight which one it is
 - train: forward + backward + AdamW of the same layers with a 4,096-way loss (the trainer's step is linear
   layers and a softmax over the draft vocab, forward and backward).
 
-Each is timed twice after a warm-up, the faster run kept (noise only ever slows a run down); ~6 s in all. `HostSpeed`
-holds this host's rate over the reference host's per kernel (1.0: as fast; 0.6: 1/0.6 = 1.67x the time).
+Each is timed three times after a warm-up, the fastest run kept (noise only ever slows a run down); ~12 s in all.
+`HostSpeed` holds this host's rate over the reference host's per kernel (1.0: as fast; 0.6: 1/0.6 = 1.67x the time).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _model(vocab: int = 4096, layers: int = 2):
     return LlamaForCausalLM(cfg).float().eval()
 
 
-def _best(fn, reps: int = 2) -> float:
+def _best(fn, reps: int = 3) -> float:
     fn()  # warm-up: oneDNN primitives, the allocator
     best = float("inf")
     for _ in range(reps):
@@ -104,7 +104,7 @@ def rates() -> dict[str, float]:
 
 @functools.lru_cache(maxsize=1)
 def measure() -> HostSpeed:
-    """This host's HostSpeed, measured once per process (~6 s on a 2-core host)."""
+    """This host's HostSpeed, measured once per process (~12 s on a 2-core host)."""
     t0 = time.perf_counter()
     r = rates()
     return HostSpeed(**{k: r[k] / REFERENCE[k] for k in REFERENCE}, measured=True,

@@ -313,7 +313,7 @@ def test_mismatched_checkpoint_is_refused(trained, stages):
 def test_top_cache_equals_recomputing(stages):
     from eagle3.storage.store import open_store
     from eagle3.train.data import collate
-    from eagle3.train.loop import TopCache
+    from eagle3.train.loop import TopCache, scored
     from eagle3.train.loss import TargetHead
 
     head = TargetHead.from_verifier(stages / "ver")
@@ -321,10 +321,14 @@ def test_top_cache_equals_recomputing(stages):
     cache = TopCache()
     idx = [3, 0, 5]
     batch = collate(store, idx, 192)
-    ref_logits, ref_top = head(batch["final"])
+    ref_logits, full = head(batch["final"])
+    need = scored(batch["loss_mask"], batch["doc"])  # the argmax only where a loss reads it, -1 elsewhere
+    assert 0 < need.sum() < need.numel()
+    ref_top = torch.where(need, full, -1)
     for _ in range(2):  # a miss fills the cache, a hit reads it
         logits, top = cache(head, batch, "train", idx)
         assert torch.equal(logits, ref_logits) and torch.equal(top.long(), ref_top)
     assert sorted(cache.top) == [("train", 0), ("train", 3), ("train", 5)]
     other = collate(store, [5, 3], 192)  # cached samples in another pack order
-    assert torch.equal(cache(head, other, "train", [5, 3])[1].long(), head(other["final"])[1])
+    assert torch.equal(cache(head, other, "train", [5, 3])[1].long(),
+                       torch.where(scored(other["loss_mask"], other["doc"]), head(other["final"])[1], -1))

@@ -380,19 +380,21 @@ def prepare(
 
 
 def sample(model: str | Path, cfg: PrepareConfig, records: int = 1000,
-           trust_remote_code: bool = False) -> tuple[int, int, int]:
-    """(records read, kept, tokens) of the first `records` records prepare would read (cfg.limit caps them), by the
-    same stream into a temporary dir. The preflight scales this to the whole source: how many records max_len
-    leaves without an assistant token, and how many tokens the kept ones keep, depend on the data, the template and
-    max_len together (the demo's first 400 ShareGPT records: 87% kept at 831 tokens each under max_len 1024, where
-    one share and one mean for every max_len planned 95% at 1,024). Raises what prepare would raise."""
+           trust_remote_code: bool = False) -> tuple[int, int, int, float]:
+    """(records read, kept, tokens, seconds) of the first `records` records prepare would read (cfg.limit caps
+    them), by the same stream into a temporary dir; seconds: the whole call, the tokenizer's load included. The
+    preflight scales this to the whole source: how many records max_len leaves without an assistant token, and how
+    many tokens the kept ones keep, depend on the data, the template and max_len together (the demo's first 400
+    ShareGPT records: 87% kept at 831 tokens each under max_len 1024, where one share and one mean for every
+    max_len planned 95% at 1,024). Raises what prepare would raise."""
+    t0 = time.perf_counter()
     target = Target.open(Path(model), trust_remote_code)
     setup = _check_target(Path(model), target, cfg)
     n = min(records, cfg.limit) if cfg.limit else records
     with tempfile.TemporaryDirectory() as tmp:
         s = _Stream(Path(tmp), cfg.model_copy(update={"limit": n}), setup, None, bar=_progress(n, False))
         s.read(resolve_source(cfg.data))
-    return s.n_read, s.n_kept, s.n_tok
+    return s.n_read, s.n_kept, s.n_tok, time.perf_counter() - t0
 
 
 def show_samples(model: str | Path, out: str | Path, n: int, trust_remote_code: bool = False,

@@ -93,12 +93,15 @@ class TargetHead(torch.nn.Module):
             return cls(f.get_tensor("norm"), man.rms_norm_eps if eps is None else eps, head, f.get_tensor("d2t"), chunk)
 
     @torch.no_grad()
-    def forward(self, final: torch.Tensor, top: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, final: torch.Tensor, top: bool = True,
+                need: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """final: [..., H] pre-norm last-layer states -> (logits over the draft vocab [..., Vd] fp32,
         draft id of the target's full-vocab argmax [...], -1 where it is outside the draft vocab).
 
-        The argmax costs L x V x H (V/Vd times the draft logits); `top=False` skips it (None)
-        for callers that already know it (the trainer caches it per sample).
+        The argmax costs L x V x H (V/Vd times the draft logits: 39% of a first-epoch step at SmolLM2's
+        shapes, `benchmarks/speed/train.py`); `top=False` skips it (None) for callers that already know it
+        (the trainer caches it per sample), and `need` (bool [...]) computes it only where True, -1 elsewhere
+        (the trainer: the positions whose next token is trainable, the only ones a loss reads).
         """
         x = final.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight  # RMSNorm
@@ -106,10 +109,15 @@ class TargetHead(torch.nn.Module):
         if not top:
             return logits, None
         flat = x.reshape(-1, x.shape[-1])
+        rows = None if need is None else need.reshape(-1).nonzero().squeeze(1)
+        sub = flat if rows is None else flat[rows]
         # full-vocab argmax in chunks of rows: never more than chunk x V logits alive
-        top = (torch.cat([(c @ self.lm_head.T).argmax(-1) for c in flat.split(self.chunk)]) if flat.numel()
+        arg = (torch.cat([(c @ self.lm_head.T).argmax(-1) for c in sub.split(self.chunk)]) if sub.numel()
                else flat.new_zeros(0, dtype=torch.long))
-        return logits, self.t2d_index[top].view(x.shape[:-1])
+        out = self.t2d_index[arg]
+        if rows is not None:
+            out = out.new_full((flat.shape[0],), -1).index_copy_(0, rows, out)
+        return logits, out.view(x.shape[:-1])
 
 
 @dataclass
