@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,8 +33,8 @@ from eagle3.model.target import MLA_DRAFT_HEAD_DIM, Target
 from eagle3.probe import HostSpeed
 from eagle3.runtime.heap import proc_bytes
 from eagle3.runtime.progress import hms
+from eagle3.storage.space import GIB, PreflightError, disk_free, human  # noqa: F401 -- re-exported
 
-GIB = 1 << 30
 SHAREGPT_RECORDS = 17_671     # complete records of the bundled (truncated) file
 SHAREGPT_KEPT = 0.95          # share that survives normalization (measured on the first 2,000)
 SHAREGPT_MEAN_TOKENS = 1_360  # mean tokens of a kept conversation, SmolLM2 template, before truncation
@@ -47,31 +46,27 @@ HEADROOM = 1.10               # 10% slack on every disk estimate
 GPU_PREFILL_FLOPS = 400e12
 GPU_TRAIN_FLOPS = 150e12
 PREPARE_CONV_PER_S = 490          # prepare, conversations/s (where no sample of the source was timed)
-EXTRACT_CPU_TOK_PER_S = 440       # hf extraction, 2 threads, packed linears
+EXTRACT_CPU_TOK_PER_S = 570       # hf extraction, 2 threads, packed linears
 # training, k=3, 2048-token packs, 2 threads: the first epoch (it computes the target's full-vocab argmax where a
 # loss reads it) and later ones (the argmax cached per sample); plus torchrun's start and each validation's
-# forward over the val split (about half a training step's cost per token)
-TRAIN_CPU_TOK_PER_S = (525, 800)
+# forward over the val split (half a training step's cost per token: 7 s for the demo's 8.3k val tokens)
+TRAIN_CPU_TOK_PER_S = (550, 600)
 TRAIN_CPU_START_S = 15
-EVAL_CPU_TOK_PER_S = 13           # live eval (hf, one thread, k=3), generated tok/s counting both passes
-EVAL_CPU_START_S = 20             # the eval's fixed part: the target and the draft loaded, the replay itself
-REPLAY_CPU_DECODE_TOK_PER_S = 185  # replay: the target's greedy answers, batched (turns x max_new per s)
-REPLAY_CPU_FORWARD_TOK_PER_S = 580  # replay: their aux states, one forward on packed linears (2 x turns x max_new)
+EVAL_CPU_TOK_PER_S = 13.5         # live eval (hf, one thread, k=3), generated tok/s counting both passes
+EVAL_CPU_START_S = 16             # the eval's fixed part: the target and the draft loaded, the replay itself
+REPLAY_CPU_DECODE_TOK_PER_S = 137  # replay: the target's greedy answers, batched (turns x max_new per s)
+REPLAY_CPU_FORWARD_TOK_PER_S = 715  # replay: their aux states, one forward on packed linears (2 x turns x max_new)
 # the trainer's small replay set (val prompts answered greedily, batched): a fixed start (a process, the weights), each
 # prompt's prefill and aux states, and decoding bound by its steps (~10 rows at once in the demo)
 REPLAY_SET_CPU_START_S = 10
-REPLAY_SET_CPU_S_PER_PROMPT = 1.6
-REPLAY_SET_CPU_STEPS_PER_S = 12
+REPLAY_SET_CPU_S_PER_PROMPT = 1.2
+REPLAY_SET_CPU_STEPS_PER_S = 16
 REGEN_CPU_TOK_PER_S = 22          # regenerate (hf, batch 8)
 SMOLLM2_PARAMS = 135e6
 VLLM_START_S = 120                # vLLM (planning assumptions): an engine's start
 VLLM_DECODE_TOK_PER_S = 2000      # batched decoding per engine
 MTBENCH_QUESTIONS = 80  # two turns each
 EVAL_PROMPT_TOKENS = 400  # the longest second-turn prompt of MT-Bench without its first answer (SmolLM2 template)
-
-
-class PreflightError(ValueError):
-    """A stage cannot finish with the resources at hand."""
 
 
 @dataclass
@@ -228,20 +223,6 @@ def draft_params(t: TargetPlan, draft_vocab: int) -> int:
     return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * Hi + draft_vocab * H + 3 * H + 3 * H
 
 
-def disk_free(path: Path) -> int:
-    """Free bytes on the file system that holds `path` (or its nearest existing parent)."""
-    p = path.resolve()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
-def human(b: float) -> str:
-    if b >= 1 << 40:
-        return f"{b / (1 << 40):,.2f} TiB"
-    return f"{b / GIB:,.2f} GiB" if b >= GIB / 10 else f"{b / (1 << 20):,.1f} MiB"
-
-
 def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | None = None,
          max_hours: float = 0.0, host: HostSpeed | None = None) -> Plan:
     """Estimate every stage not yet finished; list the problems (does not raise). `host`: this host's speed
@@ -285,7 +266,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     # CPU: measured SmolLM2 rates, scaled by the draft's size and the unroll
     r1, r2 = TRAIN_CPU_TOK_PER_S
     vals = tc.epochs + tc.epochs * steps_per_epoch(cfg, tokens) // tc.val_every
-    cpu_s = ((tokens / r1 + tokens * (tc.epochs - 1) / r2 + vals * tokens * val_share(cfg) * 2 / r2)
+    cpu_s = ((tokens / r1 + tokens * (tc.epochs - 1) / r2 + vals * tokens * val_share(cfg) * 0.5 / r2)
              * (P / 10e6) * (tc.ttt_steps / 3) + TRAIN_CPU_START_S)
     tr_s = tr_flops / (tc.world * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s / host.train
     tr_s *= steps_share(cfg, tokens)  # max_steps may end training before train.epochs
@@ -482,7 +463,7 @@ def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, 
     s = sampled(cfg)  # prepare's own stream timed on a sample of the source, where there is one
     prep = s[3] * expected_conversations(cfg) / s[0] if s else 5 + expected_conversations(cfg) / PREPARE_CONV_PER_S
     est = {"prepare": prep, "extract": ex_s,
-           "verifier": 0.5 + (2 * t.vocab_size + vd) * t.hidden_size * t.weight_bytes / 500e6, "train": tr_s,
+           "verifier": 0.7 + (2 * t.vocab_size + vd) * t.hidden_size * t.weight_bytes / 500e6, "train": tr_s,
            "eval": ev_s}
     out = {k: v for k, v in est.items() if not done[k].exists(cfg.stage_dir(k))}
     r = cfg.regenerate

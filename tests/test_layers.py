@@ -17,9 +17,11 @@ GROUPS = [
     # flags, the stage face
     ("decoding", {"eagle3.decoding"}),  # greedy decoding, KV cache, CPU linears, chains
     ("data", {"eagle3.data"}),  # conversation readers, normalization, template + loss mask, vocab map
-    ("planning", {"eagle3.preflight", "eagle3.probe"}),  # sizes and times of a run before it starts; the host's speed
     ("stages", {"eagle3.regenerate", "eagle3.prepare", "eagle3.extract", "eagle3.verifier", "eagle3.train",
                 "eagle3.eval"}),
+    # sizes and times of a run before it starts (it runs prepare's own stream over a sample of the source); the
+    # host's speed
+    ("planning", {"eagle3.preflight", "eagle3.probe"}),
     ("commands", {"eagle3.cli", "eagle3.registry", "eagle3.checksums", "eagle3.assets"}),  # what the user runs
 ]
 # Stage packages: each may import the groups below it, never another stage.

@@ -154,7 +154,7 @@ def disk_preflight(out: Path, todo: list[ShardPlan], n_aux: int, hidden: int, st
 
     A shard is written whole, reused samples included: every uncommitted shard's tokens x bytes per
     token, plus its header (~100 bytes per sample id), plus 1% and 1 MiB of slack."""
-    from eagle3.preflight import PreflightError, disk_free, human
+    from eagle3.storage.space import PreflightError, disk_free, human
 
     tokens = sum(p.num_tokens for p in todo)
     need = int((tokens * bytes_per_token(n_aux, hidden, storage) + 100 * sum(len(p.sample_ids) for p in todo))
