@@ -147,19 +147,27 @@ def expected_tokens(cfg: PipelineConfig) -> int:
 
 
 def kept_share(cfg: PipelineConfig) -> float:
-    """The share of read records prepare keeps: the sample's, else ShareGPT's measured share."""
+    """The share of read records prepare keeps: its manifest's once it ran, the sample's, else ShareGPT's measured
+    share."""
+    from eagle3.storage.manifests import PreparedData
+
+    if PreparedData.exists(done := cfg.stage_dir("prepare")):
+        m = PreparedData.read(done)
+        return m.records_kept / max(m.records_read, 1)
     s = sampled(cfg)
     return s[1] / s[0] if s is not None else SHAREGPT_KEPT
 
 
-SAMPLE_RECORDS = 1000  # ~2 s of prepare's stream on a 2-core host
+SAMPLE_RECORDS = 1000  # prepare's stream on a 2-core host: ~7 s for 1,000 ShareGPT records, ~2 s for the demo's 400
 
 
 def sampled(cfg: PipelineConfig) -> tuple[int, int, int, float] | None:
     """(read, kept, tokens, seconds) of the first SAMPLE_RECORDS records prepare would read (eagle3.prepare.run.sample);
     None where the target or the source is not on this machine, or prepare would fail (prepare itself then
-    says why). Measured once per process and config."""
-    if not (Path(cfg.model) / "config.json").is_file():
+    says why), or where prepare has run (its manifest has the counts). Measured once per process and config."""
+    from eagle3.storage.manifests import PreparedData
+
+    if not (Path(cfg.model) / "config.json").is_file() or PreparedData.exists(cfg.stage_dir("prepare")):
         return None
     return _sample(str(cfg.model), cfg.prepare.model_dump_json(), cfg.trust_remote_code)
 
@@ -194,7 +202,11 @@ def expected_conversations(cfg: PipelineConfig) -> int:
 
 
 def val_samples(cfg: PipelineConfig) -> int:
-    """Samples prepare will put in the validation split."""
+    """Samples prepare will put in the validation split (or put there, once it ran)."""
+    from eagle3.storage.manifests import PreparedData
+
+    if PreparedData.exists(done := cfg.stage_dir("prepare")):
+        return sum(x.num_samples for x in PreparedData.read(done).splits["val"])
     return max(cfg.prepare.min_val, int(expected_conversations(cfg) * kept_share(cfg) * cfg.prepare.val_fraction))
 
 
