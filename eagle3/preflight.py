@@ -131,14 +131,19 @@ def target_plan(cfg: PipelineConfig) -> TargetPlan:
     return cfg.target
 
 
-def expected_tokens(cfg: PipelineConfig) -> int:
-    """Tokens the prepare stage writes: from its manifest if it ran, else scaled from a sample of the source run
-    through prepare's own stream (`sampled`), else from ShareGPT's measured share and mean."""
+def prepared(cfg: PipelineConfig):
+    """The prepare stage's manifest (PreparedData) once it ran, else None: its counts replace every estimate."""
     from eagle3.storage.manifests import PreparedData
 
     done = cfg.stage_dir("prepare")
-    if PreparedData.exists(done):
-        return PreparedData.read(done).num_tokens
+    return PreparedData.read(done) if PreparedData.exists(done) else None
+
+
+def expected_tokens(cfg: PipelineConfig) -> int:
+    """Tokens the prepare stage writes: from its manifest if it ran, else scaled from a sample of the source run
+    through prepare's own stream (`sampled`), else from ShareGPT's measured share and mean."""
+    if (m := prepared(cfg)) is not None:
+        return m.num_tokens
     if (s := sampled(cfg)) is not None:
         read, _, tokens, _ = s
         return int(expected_conversations(cfg) * tokens / read)
@@ -149,10 +154,7 @@ def expected_tokens(cfg: PipelineConfig) -> int:
 def kept_share(cfg: PipelineConfig) -> float:
     """The share of read records prepare keeps: its manifest's once it ran, the sample's, else ShareGPT's measured
     share."""
-    from eagle3.storage.manifests import PreparedData
-
-    if PreparedData.exists(done := cfg.stage_dir("prepare")):
-        m = PreparedData.read(done)
+    if (m := prepared(cfg)) is not None:
         return m.records_kept / max(m.records_read, 1)
     s = sampled(cfg)
     return s[1] / s[0] if s is not None else SHAREGPT_KEPT
@@ -165,9 +167,7 @@ def sampled(cfg: PipelineConfig) -> tuple[int, int, int, float] | None:
     """(read, kept, tokens, seconds) of the first SAMPLE_RECORDS records prepare would read (eagle3.prepare.run.sample);
     None where the target or the source is not on this machine, or prepare would fail (prepare itself then
     says why), or where prepare has run (its manifest has the counts). Measured once per process and config."""
-    from eagle3.storage.manifests import PreparedData
-
-    if not (Path(cfg.model) / "config.json").is_file() or PreparedData.exists(cfg.stage_dir("prepare")):
+    if not (Path(cfg.model) / "config.json").is_file() or prepared(cfg) is not None:
         return None
     return _sample(str(cfg.model), cfg.prepare.model_dump_json(), cfg.trust_remote_code)
 
@@ -203,10 +203,8 @@ def expected_conversations(cfg: PipelineConfig) -> int:
 
 def val_samples(cfg: PipelineConfig) -> int:
     """Samples prepare will put in the validation split (or put there, once it ran)."""
-    from eagle3.storage.manifests import PreparedData
-
-    if PreparedData.exists(done := cfg.stage_dir("prepare")):
-        return sum(x.num_samples for x in PreparedData.read(done).splits["val"])
+    if (m := prepared(cfg)) is not None:
+        return sum(x.num_samples for x in m.splits["val"])
     return max(cfg.prepare.min_val, int(expected_conversations(cfg) * kept_share(cfg) * cfg.prepare.val_fraction))
 
 
