@@ -33,7 +33,7 @@ def _run(a) -> None:
     from flows.pipeline import pipeline
 
     # The host probe (cached per process, so the flow's preflight reuses it) runs before the embedded Prefect
-    # server starts: that server's start-up shares the cores and slowed the probe's kernels by up to ~30%.
+    # server starts, so the server's start-up does not share the cores with the kernels it times.
     measure_host(cfg)
     result = pipeline(cfg)
     r = result.pop("report")

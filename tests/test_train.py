@@ -313,8 +313,8 @@ def test_mismatched_checkpoint_is_refused(trained, stages):
 def test_top_cache_equals_recomputing(stages):
     from eagle3.storage.store import open_store
     from eagle3.train.data import collate
-    from eagle3.train.loop import TopCache, scored
-    from eagle3.train.loss import TargetHead
+    from eagle3.train.loop import TopCache
+    from eagle3.train.loss import TargetHead, scored
 
     head = TargetHead.from_verifier(stages / "ver")
     store = open_store(stages / "hid", "train")

@@ -34,7 +34,7 @@ from eagle3.storage.store import bytes_per_token, open_store
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch, val_packs
-from eagle3.train.loss import TargetHead, TTTLossOutput, step_weights, ttt_loss_fused
+from eagle3.train.loss import TargetHead, TTTLossOutput, scored, step_weights, ttt_loss_fused
 from eagle3.train.metrics import Meter, TensorBoard, chain_acceptance, plot_curves
 
 log = logging.getLogger("eagle3.train")
@@ -130,15 +130,6 @@ class TopCache:
         for k, t in zip(keys, top[0].split(lengths), strict=True):
             self.top[k] = t.to("cpu", torch.int32)
         return logits, top
-
-
-def scored(loss_mask: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-    """bool [B, L]: the positions whose target a loss reads. Step j scores the target at s = t + j + 1 only where
-    token s + 1 is trainable and in t's document (`loss._step_rows`), so s is where the next token is trainable
-    and in the same document: 76% of the demo's ShareGPT tokens; never a document's last, so what is cached per
-    sample does not depend on the pack it came in."""
-    return torch.cat([loss_mask[:, 1:].bool() & (doc[:, 1:] == doc[:, :-1]),
-                      loss_mask.new_zeros(loss_mask.shape[0], 1, dtype=torch.bool)], 1)
 
 
 def row_pass(model: nn.Module, targets: tuple[torch.Tensor, torch.Tensor], batch: dict[str, torch.Tensor],
