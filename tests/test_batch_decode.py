@@ -104,8 +104,9 @@ def test_grouped_prefill_equals_one_padded_prefill(tiny_llama_dir):
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (41, 37, 23, 22, 9, 4)]
     assert len(gen_mod.prefill_groups([len(p) for p in prompts])) == 4
 
-    def answers(batch: int) -> list[list[int]]:
+    def answers(batch: int, grouped: bool = True) -> list[list[int]]:
         gen = HFGenerator(model, {2}, RegenConfig(max_new_tokens=12, batch_size=batch, batch_tokens=1 << 20), 0)
+        gen.grouped_prefill = grouped
         return [x.raw for x in gen.generate(prompts, [0] * len(prompts))]
 
     calls = []
@@ -117,10 +118,5 @@ def test_grouped_prefill_equals_one_padded_prefill(tiny_llama_dir):
         BufferLayer.window = window
     assert sorted(set(calls)) == [18, 32, 37]  # the three later groups written in place, from their own columns
     alone = answers(1)
-    one = gen_mod.prefill_groups
-    gen_mod.prefill_groups = lambda lengths: [(0, len(lengths))]  # the whole batch as one padded forward
-    try:
-        padded = answers(len(prompts))
-    finally:
-        gen_mod.prefill_groups = one
+    padded = answers(len(prompts), grouped=False)  # the whole batch as one padded forward
     assert grouped == padded == alone and all(len(a) == 12 for a in grouped)

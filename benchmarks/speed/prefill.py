@@ -20,26 +20,15 @@ import torch
 
 
 def prefill_seconds(gen, model, prompts: list[list[int]], grouped: bool) -> tuple[float, torch.Tensor]:
-    from eagle3.decoding import generate as g
     from eagle3.decoding.batch_decode import buffer_cache, gqa_decoding
+    from eagle3.decoding.generate import left_padded
 
-    B, L = len(prompts), max(map(len, prompts))
-    ids = torch.full((B, L), gen.pad, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = torch.tensor(p)
-        mask[r, L - len(p):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    groups = g.prefill_groups
-    if not grouped:
-        g.prefill_groups = lambda lengths: [(0, len(lengths))]
-    try:
-        with torch.inference_mode(), gqa_decoding(model):
-            t0 = time.perf_counter()
-            logits = gen._prefill(ids, mask, pos, buffer_cache(model, L + 256), [len(p) for p in prompts])
-            return time.perf_counter() - t0, logits
-    finally:
-        g.prefill_groups = groups
+    ids, mask, pos = left_padded(prompts, gen.pad)
+    gen.grouped_prefill = grouped
+    with torch.inference_mode(), gqa_decoding(model):
+        t0 = time.perf_counter()
+        logits = gen._prefill(ids, mask, pos, buffer_cache(model, ids.shape[1] + 256), [len(p) for p in prompts])
+        return time.perf_counter() - t0, logits
 
 
 def main() -> None:

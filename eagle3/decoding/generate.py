@@ -65,6 +65,7 @@ class HFGenerator:
 
     name = "hf"
     cpu_linear = True  # on CPU, linear layers on oneDNN-prepacked weights (eagle3/decoding/cpu_linear.py)
+    grouped_prefill = True  # prefill rows of similar length together (`_prefill`); False: one padded forward
 
     def __init__(self, model: torch.nn.Module, eos: set[int], cfg: RegenConfig, pad_id: int, tail: int = 0):
         # tail: keep decoding this many tokens past the stop (replay evaluation checks a draft's
@@ -148,7 +149,8 @@ class HFGenerator:
                               position_ids=pos[rows, start:], past_key_values=sub, use_cache=True,
                               logits_to_keep=1).logits[:, -1]
 
-        groups, layers = prefill_groups(lengths), cache.layers
+        groups = prefill_groups(lengths) if self.grouped_prefill else [(0, len(lengths))]
+        layers = cache.layers
         if len(groups) == 1 or not all(isinstance(x, BufferLayer) for x in layers):
             return run(slice(None), 0, cache)
         B, L = ids.shape
@@ -172,14 +174,8 @@ class HFGenerator:
         return torch.cat(out)
 
     def _decode(self, prompts: list[list[int]], seeds: list[int], cache) -> list[Gen]:
-        B, L, dev = len(prompts), max(map(len, prompts)), self.device
-        ids = torch.full((B, L), self.pad, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for r, p in enumerate(prompts):  # left padding: every row's last prompt token sits at column L-1
-            ids[r, L - len(p) :] = torch.tensor(p)
-            mask[r, L - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]: real positions start at 0 after the padding
+        B, dev = len(prompts), self.device
+        ids, mask, pos = left_padded(prompts, self.pad, dev)
         gens = [torch.Generator().manual_seed(s) if self.cfg.temperature > 0 else None for s in seeds]
         logits = self._prefill(ids, mask, pos, cache, [len(p) for p in prompts])  # [B, V]
         last = pos[:, -1]  # [B] position of each row's newest token
@@ -233,6 +229,19 @@ def prefill_groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
         top = max(top, n)
     groups.append((r0, len(lengths)))
     return groups
+
+
+def left_padded(prompts: Sequence[list[int]], pad: int, device: torch.device | str = "cpu"):
+    """(ids, mask, positions), each [B, L]: every row's last prompt token at column L - 1, real positions
+    counted from 0 after the padding."""
+    B, L = len(prompts), max(map(len, prompts))
+    ids = torch.full((B, L), pad, dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p) :] = torch.tensor(p)
+        mask[r, L - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def resolve_dtype(cfg: RegenConfig, device: torch.device) -> torch.dtype:
