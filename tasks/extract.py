@@ -44,7 +44,7 @@ def publish(m: HiddenStates, out: str) -> None:
 
 def _pace(log, what: str):
     """The `progress(done, total)` callback of an extraction: a progress artifact (every 5 s), a log line every
-    20 s with tok/s and an ETA (`progress.meter`; inside `progress.meter.ticking()` also after 30 s without
+    20 s with tok/s and an ETA (`progress.meter`; inside `progress.meter.ticking()` also after 25 s without
     one, within a long batch), and the drill's injected failure halfway (when EAGLE3_FAIL_ONCE asks for one)."""
     art = create_progress_artifact(0.0, description=f"eagle3 {what}: share of tokens done")
     meter = Meter(what, 0, "tokens", say=log.info)

@@ -69,14 +69,15 @@ class Meter:
 
     @contextlib.contextmanager
     def ticking(self, poll_s: float = 1.0) -> Iterator["Meter"]:
-        """Inside the block a thread says the latest line whenever 1.5 x `every_s` (30 s) passed without one: work
-        whose steps are longer (an extraction batch of 16k tokens on a slow host, a model load) still talks."""
+        """Inside the block a thread says the latest line whenever 1.25 x `every_s` (25 s) passed without one: work
+        whose steps are longer (an extraction batch of 16k tokens on a slow host, a model load) still talks, within
+        30 s with the poll and the log's own latency (at 1.5 x, the demo's log had silences of 30.2-30.5 s)."""
         stop = threading.Event()
 
         def tick() -> None:
             while not stop.wait(poll_s):
                 now = self.clock()
-                if now - self.last >= 1.5 * self.every_s:  # a silence, not the meter's own cadence
+                if now - self.last >= 1.25 * self.every_s:  # a silence, not the meter's own cadence
                     self._say(now, "; ".join(x for x in (self.note, "working") if x))
 
         t = threading.Thread(target=tick, name=f"meter {self.what}", daemon=True)
