@@ -1,4 +1,5 @@
-"""TTT attention: the blockwise Function equals a plain dense-mask reference, forward and backward."""
+"""TTT attention: the blockwise Function equals a plain dense-mask reference, forward and backward; its exp
+flushes what would be denormal, and so does the trainer's float mode."""
 from __future__ import annotations
 
 import math
@@ -8,14 +9,42 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle3.model.attention import (
+    EXP_FLUSH,
     SCRATCH_ELEMENTS,
     auto_block,
     doc_ids_from_cu_seqlens,
     doc_ids_from_position_ids,
+    exp_,
     ttt_attention,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLT_MIN = torch.finfo(torch.float32).tiny  # 1.18e-38: the smallest normal float32
+
+
+def test_exp_equals_torch_exp_above_the_flush_and_is_zero_below():
+    x = torch.cat([torch.linspace(-200, 20, 200_001), torch.tensor([float("-inf"), -87.0, -86.8, -86.7, 0.0])])
+    ref = torch.exp(x)
+    got = exp_(x.clone())
+    keep = ref > EXP_FLUSH
+    assert torch.equal(got[keep], ref[keep])  # bitwise torch's exp wherever the result is kept
+    assert (got[~keep] == 0).all() and (~keep).sum() > 100_000
+    assert not ((got > 0) & (got < FLT_MIN)).any()  # no denormal result
+    # the flush is below float32's resolution against a softmax's sum (its largest term is 1)
+    assert float(ref[~keep].max()) <= EXP_FLUSH and 1.0 + EXP_FLUSH == 1.0
+
+
+def test_denormals_flushed_inside_the_block_only():
+    from eagle3.runtime.floats import denormals_flushed
+
+    a, b = torch.tensor([1e-30]), torch.tensor([1e-10])
+    assert 0 < float(a * b) < FLT_MIN  # IEEE: a denormal product
+    with denormals_flushed() as ok:
+        if not ok:
+            pytest.skip("this CPU has no flush-to-zero mode")
+        assert float(a * b) == 0.0
+    assert 0 < float(a * b) < FLT_MIN  # the default again after the block
 
 
 def dense_reference(q, k0, v0, kd, vd, doc):

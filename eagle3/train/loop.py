@@ -25,7 +25,7 @@ from eagle3.config import TrainConfig
 from eagle3.decoding.chains import ReplaySet, replay_counts
 from eagle3.model.draft import DraftConfig, Eagle3Draft
 from eagle3.model.formats import export
-from eagle3.runtime import heap
+from eagle3.runtime import floats, heap
 from eagle3.storage import spool
 from eagle3.storage.atomic import append_text, atomic_write_text
 from eagle3.storage.hashing import sha256_file
@@ -231,7 +231,9 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     if cfg.fsdp and world.device.type != "cuda":
         raise ValueError("--fsdp needs CUDA; on CPU the trainer uses DDP")
     side = online and world.main  # rank 0 shows the producer that the trainer lives, or how it failed
-    with (spool.reporting(hidden_dir / spool.TRAINER_ERROR) if side else nullcontext(),
+    # flush-to-zero before the first parallel op, so torch's worker threads start with it (runtime/floats.py)
+    with (floats.denormals_flushed(),
+          spool.reporting(hidden_dir / spool.TRAINER_ERROR) if side else nullcontext(),
           spool.beating(hidden_dir / spool.TRAINER_BEAT) if side else nullcontext()):
         hidden = spool.wait_source(hidden_dir, wait_s) if online else HiddenStates.read(hidden_dir)
         ver = VerifierWeights.read(verifier_dir)

@@ -42,6 +42,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from eagle3.model.attention import exp_
+
 DEFAULT_STEP_DECAY = 0.8
 
 
@@ -342,13 +344,13 @@ class _HeadKL(torch.autograd.Function):
                 arg[s : s + chunk] = z.argmax(-1)
                 logq = z.log_softmax(-1)
                 logp = target_logits[rows[s : s + chunk]].float().log_softmax(-1)
-                p = logp.exp()
+                p = exp_(logp.clone())  # no denormal probabilities: CPUs crawl over them (model/attention.py)
                 kl[s : s + chunk] = (p * (logp - logq)).sum(-1)
                 sc = scale[s : s + chunk, None]
                 if top is not None:
                     pk = _top_only(p, top[0])  # [c, Vd]
                     top_part -= (sc[:, 0] * top[1] * (pk * logq).sum(-1)).sum()
-                q = logq.exp_()  # in place: log q is not needed again
+                q = exp_(logq)  # in place: log q is not needed again
                 alpha[s : s + chunk] = torch.minimum(p, q).sum(-1)
                 if mix is not None:
                     mx = mix[s : s + chunk, None]
