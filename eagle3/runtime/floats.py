@@ -25,7 +25,8 @@ import torch
 @contextmanager
 def denormals_flushed() -> Iterator[bool]:
     """Flush-to-zero and denormals-are-zero on this thread (and the threads it starts) inside the block, back to
-    the IEEE default after it. Yields whether the CPU supports the mode (x86 with SSE3, arm64); a no-op elsewhere."""
+    the IEEE default on this thread after it; threads started inside keep the mode (torch's pool outlives the
+    block). Yields whether the CPU supports the mode (x86 with SSE3, arm64); a no-op elsewhere."""
     ok = torch.set_flush_denormal(True)
     try:
         yield ok
