@@ -61,7 +61,7 @@ REPLAY_CPU_FORWARD_TOK_PER_S = 715  # replay: their aux states, one forward on p
 REPLAY_SET_CPU_START_S = 10
 REPLAY_SET_CPU_S_PER_PROMPT = 1.2
 REPLAY_SET_CPU_STEPS_PER_S = 16
-REGEN_CPU_TOK_PER_S = 22          # regenerate (hf, batch 8)
+REGEN_CPU_TOK_PER_S = 33          # regenerate (hf, batch 32, 2 threads), generated tok/s with the prompts' prefill
 SMOLLM2_PARAMS = 135e6
 VLLM_START_S = 120                # vLLM (planning assumptions): an engine's start
 VLLM_DECODE_TOK_PER_S = 2000      # batched decoding per engine
@@ -479,7 +479,7 @@ def stage_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, ex_s: float, 
     r = cfg.regenerate
     if r is not None:  # an upper bound: every assistant turn (~3 per conversation) at max_new_tokens
         n = min(expected_conversations(cfg), r.limit) if r.limit else expected_conversations(cfg)
-        rate = VLLM_DECODE_TOK_PER_S if r.backend == "vllm" else REGEN_CPU_TOK_PER_S / size
+        rate = VLLM_DECODE_TOK_PER_S if r.backend == "vllm" else REGEN_CPU_TOK_PER_S * host.decode / size
         out = {"regenerate": n * 3 * r.max_new_tokens / rate, **out}
     return out
 
