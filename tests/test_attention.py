@@ -9,14 +9,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle3.model.attention import (
-    EXP_FLUSH,
     SCRATCH_ELEMENTS,
     auto_block,
     doc_ids_from_cu_seqlens,
     doc_ids_from_position_ids,
-    exp_,
     ttt_attention,
 )
+from eagle3.runtime.floats import EXP_FLUSH, denormals_flushed, exp_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,8 +35,6 @@ def test_exp_equals_torch_exp_above_the_flush_and_is_zero_below():
 
 
 def test_denormals_flushed_inside_the_block_only():
-    from eagle3.runtime.floats import denormals_flushed
-
     a, b = torch.tensor([1e-30]), torch.tensor([1e-10])
     assert 0 < float(a * b) < FLT_MIN  # IEEE: a denormal product
     with denormals_flushed() as ok:

@@ -1,7 +1,7 @@
 """Denormal floats and the trainer on CPU.
 
 1. The kernel: torch's exp_ over the ranges a softmax meets (scores minus their max; -inf masks), against
-   eagle3's `exp_` (eagle3/model/attention.py: clamp, exp, flush), in millions of elements per second.
+   eagle3's `exp_` (eagle3/runtime/floats.py: clamp, exp, flush), in millions of elements per second.
 2. The trainer's own step (`Run.backward_rows` + `optimizer_step`, the demo preset's train section) on a real
    store, on the draft's step-0 weights and on a trained checkpoint's, with each fix on and off: the flushing
    exp_ (off: torch's exp_) and flush-to-zero (eagle3/runtime/floats.py). Each setting is a fresh process,
@@ -35,7 +35,7 @@ SETTINGS = {  # name -> (eagle3's exp_, flush-to-zero)
 def exp_rates(n: int = 8_000_000) -> dict[str, dict[str, float]]:
     import torch
 
-    from eagle3.model.attention import exp_
+    from eagle3.runtime.floats import exp_
 
     g = torch.Generator().manual_seed(0)
     u = torch.rand(n, generator=g)

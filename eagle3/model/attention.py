@@ -24,14 +24,9 @@ from typing import Sequence
 
 import torch
 
+from eagle3.runtime.floats import exp_
+
 DEFAULT_BLOCK = None  # auto: see auto_block
-# exp(x) under x = ln(FLT_MIN) = -87.34 is a denormal float, or 0. torch's CPU exp (2.13, AVX-512) takes a slow
-# path for every such lane, -inf included: 60-350 M/s against ~6,000 M/s, and the denormals it returns slow the
-# muls and matmuls that read them. The scores of a sharpening draft fall there in most lanes (and the masks are
-# -inf): on an Intel Xeon host the trainer slowed from ~1,050 to ~600 tok/s within its first 40 steps
-# (`python -m benchmarks.speed.exp` shows the kernel, and the trainer's steps on its own weights).
-EXP_FLOOR = -87.0  # exp: 1.65e-38, a normal float32
-EXP_FLUSH = 2e-38  # results at or under it become 0: exp(EXP_FLOOR) whatever its last bit, and e^-86.8 and below
 SCRATCH_ELEMENTS = 1 << 25  # 32M scores (128 MiB in fp32) per scratch buffer at most
 MAX_BLOCK = 512
 
@@ -45,17 +40,6 @@ def auto_block(batch: int, heads: int, length: int) -> int:
     """
     fit = SCRATCH_ELEMENTS // max(1, batch * heads * length)
     return max(16, min(MAX_BLOCK, 1 << max(0, fit.bit_length() - 1)))
-
-
-def exp_(x: torch.Tensor) -> torch.Tensor:
-    """x.exp_() with every result at or under 2e-38 (x <= -86.8) set to 0, as a flush-to-zero unit would: the
-    same values as exp to float32's resolution against any sum of probabilities they join (its largest term is
-    1), without the CPU's denormal slow path (see EXP_FLOOR). Other devices: plain exp_ (GPUs do denormals at
-    full speed). Returns x."""
-    if x.device.type != "cpu":
-        return x.exp_()
-    # clamp, exp, flush: three passes at 4-6 G elements/s, against one at 0.06-0.35 G where the lanes underflow
-    return torch.nn.functional.threshold_(x.clamp_(min=EXP_FLOOR).exp_(), EXP_FLUSH, 0.0)
 
 
 def doc_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

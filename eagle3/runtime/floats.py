@@ -1,15 +1,20 @@
-"""Denormal floats on the CPU: flushed to zero while a CPU stage trains.
+"""Denormal floats on the CPU: never made by the trainer's exp (`exp_`), and flushed to zero while it trains
+(`denormals_flushed`).
 
 Why: an x86 core computes with a denormal operand or result (|x| < 1.18e-38 in fp32) through a microcode
 assist that costs tens to hundreds of cycles instead of one. Training makes them: as the draft sharpens, its
 softmax probabilities, their gradients and AdamW's second moments of rarely-hit rows fall under that bound, and
 every matmul that reads them slows down. On an Intel Xeon host the trainer on its own step-400 weights ran at
-~650 tok/s against ~1,400 at step 0 on the same packs; with flush-to-zero and denormals-are-zero set (and the
-attention's exp kept off the denormal range: eagle3/model/attention.py `exp_`) it ran at ~1,400 again
+716 tok/s against 1,429 at step 0 on the same packs; with both fixes here it ran at 1,379
 (`python -m benchmarks.speed.denormals`). The values lost are under 1.2e-38: below float32's resolution
 against any sum or update they join.
 
-The mode lives in each thread's floating-point control register, and a thread inherits it from the thread that
+exp(x) under x = ln(FLT_MIN) = -87.34 is a denormal float, or 0, and torch's CPU exp (2.13, AVX-512) takes a slow
+path for every such lane, -inf included: 60-350 M/s against ~6,000 M/s. The TTT attention's scores minus their max
+(and its -inf masks) and the loss's log-probabilities fall there in most lanes once the draft sharpens; `exp_`
+keeps them off that path. (`torch.softmax`, `log_softmax` and SDPA have their own exp and keep their speed.)
+
+The flush mode lives in each thread's floating-point control register, and a thread inherits it from the thread that
 starts it. torch's OpenMP workers are started at its first parallel op, so a process that sets the mode
 before that (a torchrun worker's first act) has it on every thread; set later, it holds on the calling thread
 and on the workers started after.
@@ -20,6 +25,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+EXP_FLOOR = -87.0  # exp: 1.65e-38, a normal float32
+EXP_FLUSH = 2e-38  # results at or under it become 0: exp(EXP_FLOOR) whatever its last bit, and e^-86.8 and below
+
+
+def exp_(x: torch.Tensor) -> torch.Tensor:
+    """x.exp_() with every result at or under 2e-38 (x <= -86.8) set to 0, as a flush-to-zero unit would: the
+    same values as exp to float32's resolution against any sum of probabilities they join (its largest term is
+    1), without the CPU's slow path. Other devices: plain exp_ (GPUs do denormals at full speed). Returns x."""
+    if x.device.type != "cpu":
+        return x.exp_()
+    # clamp, exp, flush: three passes at 4-6 G elements/s, against one at 0.06-0.35 G where the lanes underflow
+    return torch.nn.functional.threshold_(x.clamp_(min=EXP_FLOOR).exp_(), EXP_FLUSH, 0.0)
 
 
 @contextmanager

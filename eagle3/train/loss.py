@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from eagle3.model.attention import exp_
+from eagle3.runtime.floats import exp_
 
 DEFAULT_STEP_DECAY = 0.8
 
@@ -344,7 +344,7 @@ class _HeadKL(torch.autograd.Function):
                 arg[s : s + chunk] = z.argmax(-1)
                 logq = z.log_softmax(-1)
                 logp = target_logits[rows[s : s + chunk]].float().log_softmax(-1)
-                p = exp_(logp.clone())  # no denormal probabilities: CPUs crawl over them (model/attention.py)
+                p = exp_(logp.clone())  # no denormal probabilities: CPUs crawl over them (runtime/floats.py)
                 kl[s : s + chunk] = (p * (logp - logq)).sum(-1)
                 sc = scale[s : s + chunk, None]
                 if top is not None:
