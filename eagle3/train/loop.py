@@ -50,10 +50,16 @@ class TTT(nn.Module):
         super().__init__()  # loss_kw: ttt_loss_fused's loss, eta, topk, topk_weight (its defaults when absent)
         self.draft, self.steps, self.block, self.weights, self.loss_kw = draft, steps, block, weights, loss_kw
 
-    def forward(self, input_ids, aux, position_ids, doc, loss_mask, target_logits, target_top) -> TTTLossOutput:
+    def forward(self, input_ids, aux, position_ids, doc, loss_mask, target_logits,
+                target_top) -> tuple[torch.Tensor, TTTLossOutput]:
+        """(loss, the whole output). The loss tensor travels bare beside the dataclass: FSDP2 registers its
+        gradient reduction on the forward's output tensors, and torch before 2.13 looks for them with
+        `tree_flatten`, which does not open a dataclass. With the loss hidden inside one, FSDP2 on torch 2.11
+        never reduced a gradient and the optimizer never moved (seen on a GPU: the same loss at every step)."""
         states = self.draft.ttt_states(input_ids, aux, position_ids, self.steps, doc=doc, block=self.block)
-        return ttt_loss_fused(states, self.draft.lm_head.weight, target_logits, target_top, loss_mask, doc,
-                              self.weights, **self.loss_kw)
+        out = ttt_loss_fused(states, self.draft.lm_head.weight, target_logits, target_top, loss_mask, doc,
+                             self.weights, **self.loss_kw)
+        return out.loss, out
 
 
 @dataclass
@@ -137,8 +143,9 @@ def row_pass(model: nn.Module, targets: tuple[torch.Tensor, torch.Tensor], batch
     """One packed row: k TTT steps and their loss.
     targets: (target logits [1, L, Vd] fp32, draft id of the target argmax [1, L]) from `TopCache`."""
     with amp:
-        return model(batch["input_ids"], batch["aux"], batch["position_ids"], batch["doc"], batch["loss_mask"],
-                     targets[0], targets[1].long())
+        _, out = model(batch["input_ids"], batch["aux"], batch["position_ids"], batch["doc"], batch["loss_mask"],
+                       targets[0], targets[1].long())
+    return out
 
 
 def optimizer_step(params: list[nn.Parameter], opt: torch.optim.Optimizer, clip: float, sched=None) -> torch.Tensor:
