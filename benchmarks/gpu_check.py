@@ -25,12 +25,13 @@ of memory or out of time records why, and the next one still runs):
              equal those of the fp32 CPU run.
   gpu_tests  `pytest -m gpu` over the test files that carry the marker; its counts and outcomes.
 
-Budgets (s, child start included): trainer 70, attention 120, extract 60, evaluator 70,
-gpu_tests 150 (the CUDA training test runs twice, DDP and FSDP2), i.e. 470 s. A section checks its deadline between measurements and records what it
-leaves out; one still running at its budget is stopped (SIGTERM to its process group) and keeps
-what it had measured, marked partial. Writes OUT/gpu_check.json (rewritten after each section,
-so a cut-off run keeps what finished) and OUT/gpu_check.log (everything printed, children
-included). Exit status 1 when a check fails or a section errs or times out.
+Budgets (s, child start included): trainer 70, attention 120, extract 60, evaluator 70, gpu_tests
+150 (the CUDA training test runs twice, DDP and FSDP2), i.e. 470 s. A section checks its deadline
+between measurements and records what it leaves out; one still running at its budget is stopped
+(SIGTERM to its process group) and keeps what it had measured, marked partial. Writes
+OUT/gpu_check.json (rewritten after each section, so a cut-off run keeps what finished) and
+OUT/gpu_check.log (everything printed, children included). Exit status 1 when a check fails or a
+section errs or times out.
 
 On an H200 machine without network access (an image with torch, transformers, pyarrow,
 safetensors, pyyaml, pytest but no pydantic): first, here, `benchmarks/fetch_gpu_wheels.sh`

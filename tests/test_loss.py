@@ -200,3 +200,26 @@ def test_topk_loss_hand_computed():
     kl = 0.5 * LN2 + 0.3 * math.log(1.2) + 0.2 * math.log(0.4)
     assert out.kl_count == [1] and out.kl_sum == pytest.approx([kl], abs=1e-6)
     assert out.loss.item() == pytest.approx(kl + 0.5 * 0.8 * math.log(4), abs=1e-6)
+
+
+def test_trainer_module_shows_its_loss_to_tree_flatten():
+    # FSDP2 hooks its gradient reduction on the output tensors of the wrapped forward, and torch before
+    # 2.13 finds them with tree_flatten, which does not open a dataclass: with the loss only inside
+    # TTTLossOutput, FSDP2 on torch 2.11 reduced no gradient and never updated a weight (seen on a GPU).
+    from torch.utils._pytree import tree_flatten
+
+    from eagle3.model.draft import DraftConfig, Eagle3Draft
+    from eagle3.train.loop import TTT
+    from eagle3.train.loss import step_weights
+
+    torch.manual_seed(0)
+    c = DraftConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, intermediate_size=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                    max_position_embeddings=64, vocab_size=40, draft_vocab_size=16, aux_layer_ids=(1, 2, 3))
+    head = TargetHead(torch.ones(32), 1e-5, torch.randn(40, 32), torch.full((16,), 2, dtype=torch.long))
+    pos = torch.arange(12)[None]
+    tl, top = head(torch.randn(1, 12, 32))
+    out = TTT(Eagle3Draft(c), 2, 8, step_weights(2))(torch.randint(0, 40, (1, 12)), torch.randn(1, 12, 3, 32), pos,
+                                                     torch.zeros(1, 12, dtype=torch.long), torch.ones(1, 12), tl, top)
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    assert len(leaves) == 1 and leaves[0] is out[1].loss
