@@ -118,7 +118,8 @@ KIMI_TEMPLATE = (
 # Kimi's named special ids, as offsets past the base vocabulary (the rest are reserved tokens).
 KIMI_SPECIAL = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
                 6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
-                17: "<|im_middle|>", 22: "<think>", 23: "</think>"}
+                17: "<|im_middle|>", 18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>",
+                21: "<|media_pad|>", 22: "<think>", 23: "</think>"}
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                 "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
@@ -188,7 +189,8 @@ def fast_tokenizer_dir(out: Path, bpe, special: list[str], added: list[str], con
 
 # ---------------------------------------------------------------- weights
 def write_shards(out: Path, tensors: dict[str, torch.Tensor], n: int) -> None:
-    """bf16 tensors in n shards named as the hub names them, with model.safetensors.index.json."""
+    """bf16 tensors in n shards named as the hub names them, with model.safetensors.index.json (a MoE router's
+    `e_score_correction_bias` stays fp32, as DeepSeek-V3's and Kimi-K2.5's checkpoints keep it)."""
     from safetensors.torch import save_file
 
     names = sorted(tensors)
@@ -196,10 +198,11 @@ def write_shards(out: Path, tensors: dict[str, torch.Tensor], n: int) -> None:
     wmap, total = {}, 0
     for k in range(n):
         fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-        part = {name: tensors[name].to(torch.bfloat16).contiguous() for name in names[k * per:(k + 1) * per]}
+        part = {name: tensors[name].to(torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)
+                .contiguous() for name in names[k * per:(k + 1) * per]}
         save_file(part, str(out / fname), metadata={"format": "pt"})
         wmap.update({name: fname for name in part})
-        total += sum(t.numel() * 2 for t in part.values())
+        total += sum(t.numel() * t.element_size() for t in part.values())
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}, indent=1))
 
@@ -292,6 +295,37 @@ def kimi_ranks(bpe) -> dict[bytes, int]:
     return {bytes(dec[c] for c in s): i for s, i in bpe.get_vocab().items()}
 
 
+def kimi_vision_tensors(vt: int, inter: int, layers: int, text_hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    """MoonViT + mm_projector tensors under the real checkpoint's names, at width `vt` (1152 in Kimi-K2.5):
+    a 14x14 patch conv, a 64 x 64 position table, `layers` blocks (norm0, wqkv, wo, norm1, mlp.fc0/fc1, all
+    with biases), the final layernorm, and the projector (pre_norm, proj.0 over 2x2 merged patches, proj.2)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+
+    t = {"vision_tower.patch_embed.proj.weight": r(vt, 3, 14, 14), "vision_tower.patch_embed.proj.bias": r(vt),
+         "vision_tower.patch_embed.pos_emb.weight": r(64, 64, vt),
+         "vision_tower.encoder.final_layernorm.weight": torch.ones(vt),
+         "vision_tower.encoder.final_layernorm.bias": torch.zeros(vt),
+         "mm_projector.pre_norm.weight": torch.ones(vt), "mm_projector.pre_norm.bias": torch.zeros(vt),
+         "mm_projector.proj.0.weight": r(4 * vt, 4 * vt), "mm_projector.proj.0.bias": r(4 * vt),
+         "mm_projector.proj.2.weight": r(text_hidden, 4 * vt), "mm_projector.proj.2.bias": r(text_hidden)}
+    for i in range(layers):
+        b = f"vision_tower.encoder.blocks.{i}."
+        t.update({b + "norm0.weight": torch.ones(vt), b + "norm0.bias": torch.zeros(vt),
+                  b + "norm1.weight": torch.ones(vt), b + "norm1.bias": torch.zeros(vt),
+                  b + "wqkv.weight": r(3 * vt, vt), b + "wqkv.bias": r(3 * vt), b + "wo.weight": r(vt, vt),
+                  b + "wo.bias": r(vt), b + "mlp.fc0.weight": r(inter, vt), b + "mlp.fc0.bias": r(inter),
+                  b + "mlp.fc1.weight": r(vt, inter), b + "mlp.fc1.bias": r(vt)})
+    return t
+
+
+# Kimi-K2.5's MLA widths, kept exactly: vLLM's CPU MLA decode kernel runs only a 576-wide latent
+# (kv_lora_rank 512 + qk_rope_head_dim 64) with a 512-wide latent v.
+KIMI_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+
+
 def build_kimi_k25(out: Path, texts: list[str]) -> None:
     import base64
 
@@ -313,40 +347,56 @@ def build_kimi_k25(out: Path, texts: list[str]) -> None:
                                       "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>"],
     }, indent=1))
     (out / "chat_template.jinja").write_text(KIMI_TEMPLATE)
-    for mod in ("modeling_kimi_k25.py", "configuration_kimi_k25.py"):
+    # The image processor's settings as Kimi-K2.5 publishes them (custom code through auto_map, no
+    # image_processor_type); vLLM reads them when it builds the model's processing info, text-only or not.
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor",
+                     "AutoProcessor": "kimi_k25_processor.KimiK25Processor"},
+        "media_proc_cfg": {"in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5],
+                           "image_std": [0.5, 0.5, 0.5], "merge_kernel_size": 2, "fixed_output_tokens": None,
+                           "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096,
+                           "in_patch_limit_video": None, "sample_fps": 2.0, "max_num_frames_each_video": None,
+                           "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"},
+    }, indent=1))
+    for mod in ("modeling_kimi_k25.py", "configuration_kimi_k25.py", "kimi_k25_vision_processing.py",
+                "kimi_k25_processor.py"):
         (out / mod).write_text('raise RuntimeError("eagle3 must never run the checkpoint\'s own modeling code")\n')
 
     text = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "attention_bias": False,
         "attention_dropout": 0.0, "bos_token_id": n, "eos_token_id": n + 1, "first_k_dense_replace": 1,
         "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
-        "kv_lora_rank": 16, "max_position_embeddings": 1024, "moe_intermediate_size": 32, "moe_layer_freq": 1,
+        "max_position_embeddings": 1024, "moe_intermediate_size": 32, "moe_layer_freq": 1,
         "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True,
-        "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": LAYERS, "num_key_value_heads": 4,
-        "num_nextn_predict_layers": 0, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "num_attention_heads": 2, "num_experts_per_tok": 2, "num_hidden_layers": LAYERS, "num_key_value_heads": 2,
+        "num_nextn_predict_layers": 0, "q_lora_rank": 32, **KIMI_MLA,
         "rms_norm_eps": 1e-5, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 4.0, "mscale": 1.0,
                                                "mscale_all_dim": 1.0, "original_max_position_embeddings": 256,
                                                "type": "yarn"},
         "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "tie_word_embeddings": False,
-        "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 16,
+        "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True,
         "vocab_size": n + 256,
     }
     keep = {k: v for k, v in text.items() if k not in ("architectures", "model_type")}
     model = _init(DeepseekV3ForCausalLM(DeepseekV3Config(**keep)), 3)
     tensors = {f"language_model.{k}": v for k, v in checkpoint_tensors(model, out / ".tmp").items()}
-    g = torch.Generator().manual_seed(4)
-    tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 2, generator=g)
-    tensors["vision_tower.encoder.blocks.0.mlp.fc0.weight"] = torch.randn(32, 32, generator=g)
-    tensors["mm_projector.proj.0.weight"] = torch.randn(64, 32, generator=g)
+    vision = {"vt_hidden_size": 32, "vt_intermediate_size": 64, "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1}
+    tensors.update(kimi_vision_tensors(32, 64, 1, text["hidden_size"], seed=4))
     write_shards(out, tensors, 3)
     (out / "config.json").write_text(json.dumps({
         "architectures": ["KimiK25ForConditionalGeneration"],
         "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
                      "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
                      "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
-        "model_type": "kimi_k25", "media_placeholder_token_id": n + 20, "pad_token_id": n + 250,
+        "bos_token_id": n, "eos_token_id": n + 1, "ignore_index": -100,
+        "model_type": "kimi_k25", "media_placeholder_token_id": n + 21, "pad_token_id": n + 250,
         "text_config": text, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "vision_config": {"model_type": "moonvit", "hidden_size": 32, "patch_size": 2, "num_hidden_layers": 1},
+        "use_unified_vision_chunk": True, "video_placeholder": "<|kimi_k25_video_placeholder|>",
+        "vision_config": {"init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64,
+                          "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_hidden_size": 32,
+                          "mm_projector_type": "patchmerger", "model_type": "", "patch_size": 14,
+                          "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+                          "text_hidden_size": text["hidden_size"], "video_attn_type": "spatial_temporal", **vision},
     }, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": n + 2, "max_length": 262144}))
 

@@ -28,7 +28,14 @@ from eagle3.eval.decode import Stats, _Timed, compare, run_conversation, summari
 from eagle3.eval.prompts import load_prompts
 from eagle3.eval.report import finish_report
 from eagle3.model.formats import draft_format
-from eagle3.runtime.vllm_engine import import_vllm, resolve_dtype, shutdown, speculative_config, start_engine
+from eagle3.runtime.vllm_engine import (
+    import_vllm,
+    on_cpu,
+    resolve_dtype,
+    shutdown,
+    speculative_config,
+    start_engine,
+)
 from eagle3.storage.manifests import EvalReport
 
 COUNTERS = {
@@ -90,7 +97,8 @@ def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path,
     fmt = draft_format(json.loads(cpath.read_text()))
     target = Target.open(model_dir, trust_remote_code)
     tok = target.tokenizer()
-    common = dict(model=str(model_dir), dtype=resolve_dtype(cfg.dtype),
+    dtype = resolve_dtype(cfg.dtype)
+    common = dict(model=str(model_dir), dtype=dtype, **target.vllm_args(dtype, on_cpu()),
                   gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
                   disable_log_stats=False, trust_remote_code=trust_remote_code, **cfg.engine_args)
     base = start_engine("eval --backend vllm", **common)

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import ExtractConfig
-from eagle3.runtime.vllm_engine import import_vllm, resolve_dtype, shutdown, start_engine
+from eagle3.runtime.vllm_engine import import_vllm, on_cpu, resolve_dtype, shutdown, start_engine
 
 # Our subclass of vLLM's ExampleHiddenStatesConnector: the stock write path on CUDA, a synchronous
 # one on a CPU engine (the stock one needs CUDA streams and pinned memory). vLLM imports it by path.
@@ -51,13 +51,17 @@ CONNECTOR_MODULE = "eagle3.extract.vllm_connector"
 def llm_kwargs(model: str | Path, layer_ids: Sequence[int], cfg: ExtractConfig, max_len: int, storage_dir: Path,
                trust_remote_code: bool = False) -> dict:
     """The LLM(...) arguments for native extraction (one place, so tests can check them)."""
+    from eagle3.model.target import Target
+
+    dtype = resolve_dtype(cfg.dtype)
     kw = dict(
         model=str(model),
         trust_remote_code=trust_remote_code,  # Kimi-K2.5's tokenizer (and config class) are custom code
         tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        dtype=resolve_dtype(cfg.dtype),
+        dtype=dtype,
+        **Target.open(model).vllm_args(dtype, on_cpu()),
         # +1: the prompt plus the one token max_tokens=1 samples.
         max_model_len=max_len + 1,
         enable_prefix_caching=False,  # prefix hits skip the forward of cached tokens: short dumps

@@ -255,6 +255,30 @@ class Target:
     def max_position_embeddings(self) -> int:
         return int(self.text.get("max_position_embeddings") or 8192)
 
+    @property
+    def multimodal(self) -> bool:
+        """A wrapper that carries a vision tower beside its text model (Kimi-K2.5's `vision_config`)."""
+        return self.wrapped and isinstance(self.config.get("vision_config"), dict)
+
+    def vllm_args(self, dtype: str, cpu: bool) -> dict[str, Any]:
+        """What every vLLM engine eagle3 builds for this target needs beyond the model path and dtype.
+
+        - A multimodal wrapper runs text alone (`language_model_only`): eagle3 feeds token ids only, so the
+          vision tower is neither built nor loaded, and the engine skips profiling it with a dummy image
+          (3000 x 3000 for Kimi-K2.5). vLLM still reads the image processor's settings
+          (preprocessor_config.json) when it builds the model's processing info.
+        - An MLA target on a CPU engine in fp32 takes vLLM's reference CPU MLA backend: on hosts with AMX
+          vLLM picks its AMX MLA backend, whose weight packing refuses fp32 ("expect weight to be bfloat16,
+          float16, int8, fp8_e4m3 or uint8"). The CPU MLA decode kernel needs the real DeepSeek widths
+          (kv_lora_rank 512 + qk_rope_head_dim 64).
+        """
+        out: dict[str, Any] = {}
+        if self.multimodal:
+            out["language_model_only"] = True
+        if cpu and self.is_mla and dtype == "float32":
+            out["attention_backend"] = "CPU_MLA"
+        return out
+
     def parameter_counts(self) -> tuple[float, float]:
         """(total, active per token) parameters estimated from the shapes, for planning: attention
         (GQA, or MLA's low-rank projections) + MLP (dense, or routed + shared experts after

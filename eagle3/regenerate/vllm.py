@@ -28,17 +28,21 @@ from typing import Any
 
 from eagle3.config import RegenConfig
 from eagle3.decoding.generate import Gen
-from eagle3.runtime.vllm_engine import resolve_dtype, shutdown, start_engine
+from eagle3.runtime.vllm_engine import on_cpu, resolve_dtype, shutdown, start_engine
 
 
 def llm_kwargs(model: str | Path, cfg: RegenConfig, max_len: int, trust_remote_code: bool = False) -> dict[str, Any]:
     """The LLM(...) arguments (one place, so tests can check them)."""
+    from eagle3.model.target import Target
+
+    dtype = resolve_dtype(cfg.dtype)
     return dict(
         model=str(model),
         trust_remote_code=trust_remote_code,  # Kimi's tokenizer is custom code
         tensor_parallel_size=cfg.tensor_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        dtype=resolve_dtype(cfg.dtype),
+        dtype=dtype,
+        **Target.open(model).vllm_args(dtype, on_cpu()),
         max_model_len=max_len,
         seed=cfg.seed,
         # Later turns of a conversation share their whole history with earlier ones: prefix caching
