@@ -57,6 +57,17 @@ class HFBackend:
             self.model(input_ids=ids.to(self.device), use_cache=False)
         return torch.stack(caught, dim=2)
 
+    @torch.inference_mode()
+    def references(self, samples: Sequence[Sample], head) -> tuple[dict, str]:
+        """The target's own next-token choice at each position of `samples` (eagle3.extract.check): transformers'
+        output (its own final norm applied) through the target's lm_head, a path that never reads the states the
+        hooks catch."""
+        out = {}
+        for sid, ids in samples:
+            h = self.model(input_ids=ids[None].to(self.device), use_cache=False).last_hidden_state[0, :-1]
+            out[sid] = head.tops(h.float().cpu())
+        return out, "transformers' own forward"
+
     def extract(
         self, samples: Sequence[Sample], on_tokens: Callable[[int], None] | None = None
     ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:

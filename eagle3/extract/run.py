@@ -259,6 +259,8 @@ def _fill(run: "ExtractRun", cfg: ExtractConfig, progress: Progress | None,
     try:
         for p in run.plans:
             run.fill_shard(p, tokens)
+        if run.final_check is None and run.plans:
+            run.check_final(run.plans[0])  # nothing computed here (an earlier run wrote every shard)
     finally:
         tokens.close()
         close = getattr(run.backend, "close", None)
@@ -412,6 +414,9 @@ def _commit(model: Path, prepared: Path, out: Path, cfg: ExtractConfig, trust_re
     man = run.manifest(fp, model, index_sha, tokens, max(r.stats.get("seconds", 0.0) for r in ranges))
     man.backend = next((r.stats["backend"] for r in ranges if r.stats.get("backend")), man.backend)
     man.stats.update(ranges_stats(ranges))
+    from eagle3.extract.check import merge
+
+    man.stats["final_check"] = merge([r.stats.get("final_check") for r in ranges])
     man.write(out)
     shutil.rmtree(out / RANGES, ignore_errors=True)
     return man
@@ -488,6 +493,7 @@ class ExtractRun:
     shard_sha: dict[str, str] = field(default_factory=dict)  # shard file -> its sha256, for every shard done
     n_reused: int = 0
     n_computed: int = 0
+    final_check: dict[str, Any] | None = None  # eagle3.extract.check's result, once run
 
     @property
     def n_aux(self) -> int:
@@ -521,6 +527,34 @@ class ExtractRun:
         if todo:
             self.compute(p, w, todo, on_tokens)
         self.shard_sha[p.file] = w.write(self.out)
+        if todo and self.final_check is None:
+            self.check_final(p)  # on the first shard this run computes: a wrong layer stops the run at once
+
+    def check_final(self, p: ShardPlan) -> None:
+        """The final-layer check (eagle3.extract.check) on a few samples of shard `p`, which is on disk: its
+        result goes into the manifest; a refused store loses every shard of its plan on disk (all were computed
+        the same way), and the run stops with the layer named."""
+        from eagle3.extract import check
+
+        if self.backend is None:  # every shard was committed by an earlier run: check one of them
+            self.backend = make_backend(self.cfg, self.target, self.layer_ids, self.out, max(self.samples.length))
+        refs_of = getattr(self.backend, "references", None)
+        if refs_of is None:
+            self.final_check = {"judged": False, "why": f"the {getattr(self.backend, 'name', '?')} backend gives "
+                                                        "no reference next tokens"}
+            return
+        rows = [p.rows[i] for i in check.probe(p.sample_ids, p.lengths)]
+        samples = [(self.samples.sample_id[r], self.samples.tensors(r)[0]) for r in rows]
+        head = check.Head(self.target)
+        refs, source = refs_of(samples, head)
+        finals = check.stored_finals(self.out / p.file, [sid for sid, _ in samples])
+        fp8 = self.cfg.storage == "fp8"  # the final state stored in fp8 too
+        self.final_check = check.judge(finals, refs, head, self.layer_ids[-1], source,
+                                       check.FP8_MARGIN if fp8 else check.MARGIN)
+        if self.final_check["passed"] is False:
+            for q in self.plans:
+                (self.out / q.file).unlink(missing_ok=True)
+            check.refuse(self.final_check, str(self.out))
 
     def add_reused(self, p: ShardPlan, w: ShardWriter) -> list[int]:
         """Copy into `w` the samples of `p` a reuse dir holds, as stored; return the rows left to compute,
@@ -605,6 +639,7 @@ class ExtractRun:
                 "samples_reused": self.n_reused,
                 "shards_skipped": len(self.committed),
                 "shards_written": len(self.plans) - len(self.committed),
+                "final_check": self.final_check,
             },
         )
 

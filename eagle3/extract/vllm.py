@@ -141,6 +141,30 @@ class VllmBackend:
                 if path:
                     self._discard(path)
 
+    def references(self, samples: Sequence[tuple[str, torch.Tensor]], head=None) -> tuple[dict, str]:
+        """The engine's own next-token choice at each position of `samples` (eagle3.extract.check): its prompt
+        logprobs, top 2, from this same engine, which never reads the states the connector dumps (those of these
+        requests are deleted unread)."""
+        from eagle3.extract.check import Tops
+
+        vllm = import_vllm("--backend vllm")
+        sp = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+        by_prompt = {tuple(ids.tolist()): sid for sid, ids in samples}
+        outputs = self.llm.generate([{"prompt_token_ids": ids.tolist()} for _, ids in samples], sp, use_tqdm=False)
+        out = {}
+        for o in outputs:
+            path = (o.kv_transfer_params or {}).get("hidden_states_path")
+            if path:
+                self._discard(path)
+            top1, margin = [], []
+            for pos in (o.prompt_logprobs or [None])[1:]:  # entry t: the distribution of token t; entry 0 is None
+                by_rank = {lp.rank: (tok, lp.logprob) for tok, lp in pos.items()}
+                top1.append(by_rank[1][0])
+                margin.append(by_rank[1][1] - by_rank[2][1])
+            out[by_prompt[tuple(o.prompt_token_ids)]] = Tops(torch.tensor(top1, dtype=torch.long),
+                                                            torch.tensor(margin, dtype=torch.float32))
+        return out, "vLLM prompt_logprobs"
+
     def _discard(self, path: str) -> None:
         import fcntl
 
