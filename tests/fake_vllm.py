@@ -24,6 +24,9 @@ It follows the contract of the real source (vllm-project/vllm, read for this pro
   (Kimi-K2.5's, named by `auto_map`) fails without it. The text model is vLLM's own
   implementation of the architecture; the fake stands in transformers' (`families.reference_lm`),
   which also reads the Kimi-K2.5 wrapper's `text_config` and `language_model.*` weights.
+- vllm/v1/engine/logprobs.py: `prompt_logprobs=k` gives, per prompt position, None at position 0, then a
+  dict token id -> Logprob(logprob, rank) holding the k most likely tokens (ranks 1..k) and the prompt's own
+  token with its rank.
 - Prefix caching: with it on, a prompt whose leading blocks are cached is not
   recomputed there, so its dump comes out short. vLLM's V1 default is on; the fake mimics the
   shortfall (block size 16) unless `enable_prefix_caching=False`.
@@ -56,6 +59,14 @@ class SamplingParams:
     max_tokens: int | None = 16
     temperature: float = 1.0
     extra_args: dict | None = None
+    prompt_logprobs: int | None = None
+
+
+@dataclass
+class Logprob:  # vllm/logprobs.py
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -84,6 +95,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def load_hidden_states(path: str) -> dict[str, torch.Tensor]:
@@ -158,8 +170,8 @@ class LLM:
         self.swap_paths = False  # tests: simulate a wrong path for a request
         LLM.instances.append(self)
 
-    def _states(self, ids: list[int]) -> tuple[torch.Tensor, int]:
-        """[T, n_ids, H] in the model dtype, and the next token."""
+    def _states(self, ids: list[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """[T, n_ids, H] in the model dtype, the next token, and the log-probabilities [T, V]."""
         m = self.model
         n = m.config.num_hidden_layers
         # id k < N: HF hidden_states[k] (the stream entering layer k). id N: the pre-norm last output,
@@ -173,7 +185,7 @@ class LLM:
         finally:
             h.remove()
         per = [o.hidden_states[k][0] if k < n else cap["x"][0] for k in self.layer_ids]
-        return torch.stack(per, dim=1).to(self.dtype), int(o.logits[0, -1].argmax())
+        return torch.stack(per, dim=1).to(self.dtype), int(o.logits[0, -1].argmax()), o.logits[0].log_softmax(-1)
 
     def _write_async(self, path: str, tensors: dict[str, torch.Tensor]) -> None:
         # exclusive lock first (worker side, before the client gets the path), write later
@@ -201,7 +213,7 @@ class LLM:
                 raise TypeError("this fake takes TokensPrompt dicts only")
             ids = [int(x) for x in p["prompt_token_ids"]]
             req_id = str(next(self.request_counter))
-            states, nxt = self._states(ids)
+            states, nxt, logp = self._states(ids)
             tok = torch.tensor(ids)
             if self.prefix_caching:
                 # full blocks already in the cache are not recomputed: they are missing from the dump
@@ -214,12 +226,28 @@ class LLM:
             path = os.path.join(self.storage, f"{req_id}.safetensors")
             self._write_async(path, {"hidden_states": states.contiguous(), "token_ids": tok})
             outs.append(RequestOutput(req_id, None, ids, [CompletionOutput(0, [nxt])], True,
-                                      {"hidden_states_path": path}))
+                                      {"hidden_states_path": path},
+                                      prompt_logprobs(ids, logp, getattr(sampling_params, "prompt_logprobs", None))))
         if self.swap_paths and len(outs) > 1:
             outs[0].kv_transfer_params, outs[1].kv_transfer_params = (outs[1].kv_transfer_params,
                                                                       outs[0].kv_transfer_params)
         random.Random(len(outs)).shuffle(outs)
         return outs
+
+
+def prompt_logprobs(ids: list[int], logp: torch.Tensor, k: int | None) -> list[dict[int, Logprob] | None] | None:
+    """vLLM's prompt logprobs: position t > 0 holds the top k of the distribution of token t and token t itself."""
+    if k is None:
+        return None
+    out: list[dict[int, Logprob] | None] = [None]
+    for t in range(1, len(ids)):
+        row = logp[t - 1]
+        order = row.argsort(descending=True)
+        d = {int(order[r]): Logprob(float(row[order[r]]), r + 1) for r in range(k)}
+        if ids[t] not in d:
+            d[ids[t]] = Logprob(float(row[ids[t]]), int((row > row[ids[t]]).sum()) + 1)
+        out.append(d)
+    return out
 
 
 def install(monkeypatch) -> None:

@@ -93,6 +93,25 @@ def test_tiny_llama_parity_fp32(tiny_llama_dir, tmp_path):
         torch.testing.assert_close(_logits_from_final(lm, s["final_hidden_states"]), logits, atol=1e-4, rtol=0)
 
 
+def test_final_layer_check_refuses_the_layer_before(smollm2_dir, tmp_path, monkeypatch):
+    """A backend that catches layer N - 1 where the store says N (an off-by-one on the last id: every shape right)
+    is refused by the final-layer check on SmolLM2, naming the layer, and leaves no shard; the same run with the
+    right layer passes."""
+    import eagle3.extract.hf as eh
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    write_prepared(tmp_path / "prep", {"train": chat_samples(tok, 6)})
+    real = eh.catch
+    monkeypatch.setattr(eh, "catch", lambda model, ids: real(model, [*ids[:-1], ids[-1] - 1]))
+    with pytest.raises(ValueError, match=r"stored final state \(layer id 30, .*\) reproduces the target's own next "
+                                         r"token at \d+ of \d+ decisive positions .*transformers' own forward"):
+        run_extract(smollm2_dir, tmp_path / "prep", tmp_path / "out", ExtractConfig(), show_progress=False)
+    assert not list((tmp_path / "out").glob("shards/*.safetensors"))
+    monkeypatch.setattr(eh, "catch", real)
+    man = run_extract(smollm2_dir, tmp_path / "prep", tmp_path / "out", ExtractConfig(), show_progress=False)
+    assert man.stats["final_check"]["passed"] is True
+
+
 def test_batched_equals_unbatched(tiny_llama_dir):
     model = Target.open(tiny_llama_dir).load_model(head=False, device="cpu")
     samples = [(f"s{i}", torch.tensor(ids)) for i, (ids, _) in enumerate(random_samples(1000, [7, 30, 12, 30, 3], 2))]
@@ -115,11 +134,14 @@ def test_smollm2_parity_and_storage(smollm2_dir, tmp_path):
                         batch_tokens=4096)
     lm = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     refs = [_reference(lm, ids) for ids, _ in rows]
-    agree = {}
+    agree, checks = {}, {}
     for storage in ["fp32", "bf16", "fp8-aux", "fp8"]:
         out = tmp_path / storage
         man = run_extract(smollm2_dir, prep, out, ExtractConfig(storage=storage), backend=backend, show_progress=False)
         assert man.aux_layer_ids == [2, 15, 27]
+        c = man.stats["final_check"]  # a trained model: most positions are decisive, fp8's rounding included
+        assert c["passed"] and c["decisive"] >= 0.5 * c["positions"], (storage, c)
+        checks[storage] = c
         hit = total = 0
         for (hs, logits), s in zip(refs, open_store(out), strict=True):
             if storage == "fp32":
@@ -136,7 +158,8 @@ def test_smollm2_parity_and_storage(smollm2_dir, tmp_path):
         # bytes on disk: exactly the per-token budget plus one small safetensors header per shard
         per_tok = bytes_per_token(3, 576, storage)
         assert man.num_tokens * per_tok <= man.num_bytes <= man.num_tokens * per_tok + 64 * 1024 * len(man.shards)
-    print("argmax agreement by storage:", agree)
+    print("argmax agreement by storage:", agree, "final-layer check:", {k: (c["agree"], c["decisive"])
+                                                                          for k, c in checks.items()})
     assert total > 600
     assert agree["fp32"] == 1.0
     assert agree["bf16"] >= 0.995 and agree["fp8-aux"] == agree["bf16"]  # fp8-aux keeps final in bf16

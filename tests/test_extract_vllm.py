@@ -13,10 +13,10 @@ import fake_vllm
 from extract_helpers import random_samples, write_prepared
 
 
-def test_llm_kwargs_follow_vllm_native_extraction(tmp_path):
+def test_llm_kwargs_follow_vllm_native_extraction(tiny_llama_dir, family_dirs, tmp_path):
     cfg = ExtractConfig(backend="vllm", tensor_parallel_size=4, pipeline_parallel_size=2,
                         gpu_memory_utilization=0.7, max_num_batched_tokens=8192)
-    kw = llm_kwargs("/m", [2, 15, 27, 30], cfg, max_len=2048, storage_dir=tmp_path)
+    kw = llm_kwargs(tiny_llama_dir, [2, 15, 27, 30], cfg, max_len=2048, storage_dir=tmp_path)
     assert kw["tensor_parallel_size"] == 4 and kw["pipeline_parallel_size"] == 2
     assert kw["gpu_memory_utilization"] == 0.7 and kw["max_num_batched_tokens"] == 8192
     assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is False
@@ -31,7 +31,16 @@ def test_llm_kwargs_follow_vllm_native_extraction(tmp_path):
         "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
     }
     with pytest.raises(ValueError, match="max_num_batched_tokens=1000 is below the longest"):
-        llm_kwargs("/m", [1, 2, 3, 4], cfg.model_copy(update={"max_num_batched_tokens": 1000}), 2048, tmp_path)
+        llm_kwargs(tiny_llama_dir, [1, 2, 3, 4], cfg.model_copy(update={"max_num_batched_tokens": 1000}), 2048,
+                   tmp_path)
+    assert "language_model_only" not in kw and "attention_backend" not in kw
+    # Kimi-K2.5 runs text-only (no vision tower built, none of its dummy images profiled), and on a CPU engine in
+    # fp32 with the CPU MLA backend (the AMX one refuses fp32 weights)
+    kimi = llm_kwargs(family_dirs["kimi-k2.5"], [2, 4, 5, 8], cfg.model_copy(update={"dtype": "float32"}), 2048,
+                      tmp_path, trust_remote_code=True)
+    assert kimi["language_model_only"] is True and kimi["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in llm_kwargs(family_dirs["kimi-k2.5"], [2, 4, 5, 8],
+                                                 cfg.model_copy(update={"dtype": "bfloat16"}), 2048, tmp_path)
 
 
 def _prep(tmp_path, seed=7):
@@ -181,27 +190,66 @@ def test_real_engine_smollm2_equals_hf_the_fake_and_resumes(smollm2_dir, tmp_pat
     assert [s.sha256 for s in r.shards] == [s.sha256 for s in v.shards]  # bitwise the uninterrupted run
 
 
+def passed_final_check(m, source: str) -> dict:
+    """The manifest's final-layer check, judged and passed on `source`'s reference."""
+    c = m.stats["final_check"]
+    assert c["judged"] and c["passed"] and c["source"] == source and c["layer"] == m.layer_ids[-1], c
+    return c
+
+
+# Kimi-K2.5's states are computed through MLA's latent path on the engine and the plain one in transformers:
+# measured at most 3.2e-4 apart on states of magnitude ~20 (fp32 both).
+FAMILY_ATOL = {"llama-3.1": 1e-4, "qwen3": 1e-4, "kimi-k2.5": 5e-4}
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("fam", ["llama-3.1", "qwen3"])
+@pytest.mark.parametrize("fam", ["llama-3.1", "qwen3", "kimi-k2.5"])
 def test_real_engine_family_layouts_equal_hf(family_dirs, fam, tmp_path):
-    """Each family's tiny checkpoint (bf16 shards, its config layout, padded rows for Qwen3) through the real
-    engine stores what the hf backend stores; for Qwen3, TP=2 (one rank per core) equals TP=1."""
+    """Each family's tiny checkpoint (bf16 shards, its config layout, padded rows for Qwen3; for Kimi-K2.5 the VLM
+    wrapper with its vision tower, MLA at Kimi's widths, MoE and the slow custom tokenizer) through the real engine
+    stores what the hf backend stores, the final pre-norm state (id 8) included, and passes the final-layer check on
+    the engine's own prompt logprobs; for Qwen3 and Kimi-K2.5, TP=2 (one rank per core) equals TP=1."""
     from engine import ENGINE, assert_stores_close
 
     rows = random_samples(1000, [30, 12, 21, 40], seed=3)
     write_prepared(tmp_path / "prep", {"train": rows})
-    model = family_dirs[fam]
+    model, trust = family_dirs[fam], fam == "kimi-k2.5"
     cfg = ExtractConfig(backend="vllm", storage="fp32", engine_args=ENGINE)
-    v = run_extract(model, tmp_path / "prep", tmp_path / "v", cfg, show_progress=False)
-    h = run_extract(model, tmp_path / "prep", tmp_path / "h", ExtractConfig(storage="fp32"), show_progress=False)
+    v = run_extract(model, tmp_path / "prep", tmp_path / "v", cfg, show_progress=False, trust_remote_code=trust)
+    h = run_extract(model, tmp_path / "prep", tmp_path / "h", ExtractConfig(storage="fp32"), show_progress=False,
+                    trust_remote_code=trust)
     assert v.layer_ids == h.layer_ids == [2, 4, 5, 8]
-    assert_stores_close(open_store(tmp_path / "v"), open_store(tmp_path / "h"), rtol=1e-4, atol=1e-4)
-    if fam == "qwen3":
+    assert passed_final_check(v, "vLLM prompt_logprobs")["decisive"] >= 16
+    passed_final_check(h, "transformers' own forward")
+    atol = FAMILY_ATOL[fam]
+    assert_stores_close(open_store(tmp_path / "v"), open_store(tmp_path / "h"), rtol=1e-4, atol=atol)
+    if fam in ("qwen3", "kimi-k2.5"):
         t2 = run_extract(model, tmp_path / "prep", tmp_path / "tp2", cfg.model_copy(update={"tensor_parallel_size": 2}),
-                         show_progress=False)
+                         show_progress=False, trust_remote_code=trust)
         assert t2.num_tokens == v.num_tokens
+        passed_final_check(t2, "vLLM prompt_logprobs")
         # the two ranks' partial sums meet in an all-reduce: float noise, not bits
-        assert_stores_close(open_store(tmp_path / "tp2"), open_store(tmp_path / "v"), rtol=1e-5, atol=1e-5)
+        assert_stores_close(open_store(tmp_path / "tp2"), open_store(tmp_path / "v"), rtol=1e-5, atol=atol / 10)
+
+
+@pytest.mark.vllm
+def test_real_engine_store_of_the_layer_before_is_refused(family_dirs, tmp_path, monkeypatch):
+    """The engine asked for layer N - 1 where the store says N (an off-by-one on the last id, which keeps every
+    shape right): on Kimi-K2.5's layout the final-layer check refuses the store, naming the layer, and leaves
+    neither a shard nor a manifest."""
+    import eagle3.extract.vllm as ev
+
+    from engine import ENGINE
+
+    real = ev.llm_kwargs
+    monkeypatch.setattr(ev, "llm_kwargs", lambda model, ids, *a, **k: real(model, [*ids[:-1], ids[-1] - 1], *a, **k))
+    write_prepared(tmp_path / "prep", {"train": random_samples(1000, [30, 12, 21, 40], seed=3)})
+    with pytest.raises(ValueError, match=r"stored final state \(layer id 8, .*\) reproduces the target's own next "
+                                         r"token at \d+ of \d+ decisive positions .*vLLM prompt_logprobs"):
+        run_extract(family_dirs["kimi-k2.5"], tmp_path / "prep", tmp_path / "v",
+                    ExtractConfig(backend="vllm", engine_args=ENGINE), show_progress=False, trust_remote_code=True)
+    assert not (tmp_path / "v" / "manifest.json").exists()
+    assert not list((tmp_path / "v").glob("shards/*.safetensors"))
 
 
 def test_vllm_prompt_past_the_context_names_the_sample(tiny_llama_dir, tmp_path):
@@ -219,10 +267,11 @@ def test_vllm_prompt_past_the_context_names_the_sample(tiny_llama_dir, tmp_path)
                     ExtractConfig(backend="vllm", aux_layer_ids=[1, 3, 4]), show_progress=False)
 
 
-@pytest.mark.parametrize("fam", ["kimi-k2.5"])  # the real engine runs the others (above); not this layout
+@pytest.mark.parametrize("fam", ["kimi-k2.5"])  # the fake, checked on a layout the real engine also runs (above)
 def test_vllm_backend_on_family_layouts(family_dirs, fam, tmp_path, monkeypatch):
     """On the fake engine, the vllm backend on the Kimi-K2.5 layout (wrapper, MLA + MoE, custom tokenizer) stores
-    what the hf backend stores; Kimi's engine is built with trust_remote_code, and fails without it."""
+    what the hf backend stores and passes the final-layer check on the fake's prompt logprobs; Kimi's engine is
+    built with trust_remote_code, and fails without it."""
     fake_vllm.install(monkeypatch)
     model, trust = family_dirs[fam], fam == "kimi-k2.5"
     rows = random_samples(1000, [30, 12, 21], seed=3)
@@ -231,6 +280,7 @@ def test_vllm_backend_on_family_layouts(family_dirs, fam, tmp_path, monkeypatch)
                     trust_remote_code=trust)
     (llm,) = fake_vllm.LLM.instances
     assert llm.kwargs["trust_remote_code"] is trust and v.layer_ids == [2, 4, 5, 8]
+    passed_final_check(v, "vLLM prompt_logprobs")
     h = run_extract(model, tmp_path / "prep", tmp_path / "h", ExtractConfig(), show_progress=False,
                     trust_remote_code=trust)
     assert h.layer_ids == v.layer_ids and h.num_tokens == v.num_tokens
