@@ -160,25 +160,28 @@ def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypa
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("fam", ["smollm2", "qwen3"])  # Llama-3.1's layout: the same path as SmolLM2's
+@pytest.mark.parametrize("fam", ["smollm2", "qwen3", "llama-3.1", "kimi-k2.5"])
 def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     """The real engine (fp32 on CPU) serves a random head as is, and its own spec-decode counters give the same
-    drafts, accepted tokens, per-position counts and answers as the hf evaluator on the same head and prompts."""
+    drafts, accepted tokens, per-position counts and answers as the hf evaluator on the same head and prompts: on
+    SmolLM2 and on the Qwen3, Llama-3.1 (rope_scaling llama3, untied head, three stop ids) and Kimi-K2.5 layouts
+    (a Llama-layer head on the VLM wrapper's MLA + MoE text model, run text-only; the slow custom tokenizer)."""
     from eagle3.eval.run import evaluate
 
     from engine import ENGINE, engine_processes
     from test_evaluate import random_draft, write_native
 
-    model = smollm2_dir if fam == "smollm2" else family_dirs[fam]
+    model, trust = (smollm2_dir if fam == "smollm2" else family_dirs[fam]), fam == "kimi-k2.5"
     d = random_draft(model, draft_vocab=256, seed=2)
     draft = write_native(d, tmp_path / "final")
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"turns": ["Name three colours.", "And three animals."]}) + "\n"
                  + json.dumps({"prompt": "Count from one to ten."}) + "\n")
     cfg = EvalConfig(prompts=str(p), k=3, max_new_tokens=16, threads=1)
-    v = evaluate(model, draft, tmp_path / "v", cfg.model_copy(update={"backend": "vllm", "engine_args": ENGINE}))
+    v = evaluate(model, draft, tmp_path / "v", cfg.model_copy(update={"backend": "vllm", "engine_args": ENGINE}),
+                 trust_remote_code=trust)
     assert engine_processes() == []  # both engines stopped once measured
-    h = evaluate(model, draft, tmp_path / "h", cfg)
+    h = evaluate(model, draft, tmp_path / "h", cfg, trust_remote_code=trust)
     if fam == "qwen3":  # the fake engine, checked against the real one on a case both run
         with pytest.MonkeyPatch.context() as m:
             m.setitem(sys.modules, "vllm", fake_vllm(model))
@@ -200,7 +203,7 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     assert answers[0] == answers[1]
 
 
-@pytest.mark.parametrize("fam", ["kimi-k2.5"])  # the real engine runs Qwen3 and Llama-3.1 (above); not this layout
+@pytest.mark.parametrize("fam", ["kimi-k2.5"])  # the fake, on a layout the real engine also runs (above)
 def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, monkeypatch):
     """On the fake engine, the vLLM eval path on the Kimi-K2.5 layout (wrapper, custom tokenizer) equals the hf path."""
     from eagle3.eval.run import evaluate

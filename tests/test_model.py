@@ -39,9 +39,23 @@ def tiny(**switches) -> DraftConfig:
     )
 
 
-def _model(seed=0, **switches) -> Eagle3Draft:
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def tiny_mla(**switches) -> DraftConfig:
+    """An MLA draft layer (DeepSeek-V3's attention): LoRA'd queries, a latent key/value, v narrower than q/k, YaRN."""
+    return DraftConfig(
+        hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=12,
+        intermediate_size=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=YARN, max_position_embeddings=128,
+        vocab_size=50, draft_vocab_size=20, aux_layer_ids=(1, 2, 3), layer="mla", q_lora_rank=16, kv_lora_rank=24,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, **switches,
+    )
+
+
+def _model(seed=0, layer="llama", **switches) -> Eagle3Draft:
     torch.manual_seed(seed)
-    m = Eagle3Draft(tiny(**switches))
+    m = Eagle3Draft(tiny_mla(**switches) if layer == "mla" else tiny(**switches))
     with torch.no_grad():  # non-trivial norms so every switch changes the numbers
         for name, p in m.named_parameters():
             if "norm" in name:
@@ -108,8 +122,9 @@ def test_state_dict_uses_vllm_names():
     assert "input_norm.weight" not in Eagle3Draft(tiny(norm_before_fc=False)).state_dict()
 
 
-def test_ttt_forward_shapes_and_grads():
-    m = _model()
+@pytest.mark.parametrize("layer", ["llama", "mla"])
+def test_ttt_forward_shapes_and_grads(layer):
+    m = _model(layer=layer)
     B, L, k = 2, 11, 3
     ids = torch.randint(0, 50, (B, L))
     aux = torch.randn(B, L, 3, 32)
@@ -142,8 +157,11 @@ def _serving_chain(m: Eagle3Draft, ids, aux, pos, t, k):
     [{}, {"norm_before_fc": False, "norm_output": False, "norm_before_residual": False}, {"norm_output": False}],
     ids=["all-on", "all-off", "prenorm-output"],
 )
-def test_ttt_equals_serving_steps(switches):
-    m = _model(**switches).eval()
+@pytest.mark.parametrize("layer", ["llama", "mla"])
+def test_ttt_equals_serving_steps(switches, layer):
+    if layer == "mla":
+        switches = {k: v for k, v in switches.items() if k != "norm_before_fc"}  # no such norm in vLLM's MLA draft
+    m = _model(layer=layer, **switches).eval()
     L, k = 12, 4
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 50, (1, L), generator=g)
@@ -157,8 +175,9 @@ def test_ttt_equals_serving_steps(switches):
                                            msg=lambda s, t=t, j=j: f"t={t} j={j}: {s}")
 
 
-def test_packed_ttt_equals_each_document_alone():
-    m = _model().eval()
+@pytest.mark.parametrize("layer", ["llama", "mla"])
+def test_packed_ttt_equals_each_document_alone(layer):
+    m = _model(layer=layer).eval()
     lens, k = [7, 9], 3
     L = sum(lens)
     g = torch.Generator().manual_seed(2)
@@ -227,3 +246,55 @@ def test_memory_lean_norm_and_mlp_equal_plain_autograd(dtype):
     assert torch.equal(out, ref)
     for a, b in zip(torch.autograd.grad(out, (gate, up), g), torch.autograd.grad(ref, (gate, up), g), strict=True):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_mla_attention_equals_deepseek_v3s():
+    """The MLA draft layer's attention (its 2H input) equals transformers' DeepseekV3Attention built on a 2H-wide
+    input with the same weights, YaRN RoPE on interleaved pairs and mscale'd softmax scale included. One difference
+    is set aside: transformers builds q_a_layernorm and kv_a_layernorm with eps 1e-6 whatever the config says, vLLM
+    (which serves the draft) with the config's rms_norm_eps, as the draft does."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    m = _model(layer="mla").eval()
+    c, a = m.config, m.midlayer.self_attn
+    hc = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                          kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rms_norm_eps=1e-5,
+                          max_position_embeddings=128, rope_parameters=c.rope_parameters, attention_bias=False)
+    hc._attn_implementation = "eager"
+    ref = DeepseekV3Attention(hc, layer_idx=0).eval()
+    names = ["q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"]
+    with torch.no_grad():
+        for n in names:
+            getattr(ref, n).weight.copy_(getattr(a, n).weight)
+    ref.q_a_layernorm.variance_epsilon = ref.kv_a_layernorm.variance_epsilon = c.rms_norm_eps
+    assert ref.scaling == pytest.approx(m.midlayer.scale) and m.midlayer.scale != pytest.approx(12 ** -0.5)
+    T = 10
+    x = torch.randn(1, T, 64, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(T)[None]
+    cos, sin = m.rope(x, pos)
+    seen = {}
+    ref.o_proj.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        ref(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)
+        q, k, v = a.qkv(x, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=m.midlayer.scale)[..., :6]
+    torch.testing.assert_close(out.transpose(1, 2).reshape(1, T, 24), seen["x"], atol=1e-5, rtol=1e-5)
+
+
+def test_mla_layer_from_the_kimi_layout(family_dirs):
+    """From Kimi-K2.5's layout the MLA layer takes the target's MLA widths, heads and YaRN RoPE (the Llama layer takes
+    128-wide heads and plain RoPE); a non-MLA target, or norm_before_fc (not in vLLM's MLA draft), is refused."""
+    c = DraftConfig.from_target(family_dirs["kimi-k2.5"], 384, layer="mla")
+    assert (c.layer, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim) == ("mla", 512, 64, 128, 128)
+    assert c.head_dim == 192 and c.q_lora_rank == 32 and c.rope_scaling["rope_type"] == "yarn"
+    assert set(Eagle3Draft(c).state_dict()) >= {"midlayer.self_attn.q_a_proj.weight",
+                                                "midlayer.self_attn.kv_a_proj_with_mqa.weight",
+                                                "midlayer.self_attn.kv_b_proj.weight"}
+    llama = DraftConfig.from_target(family_dirs["kimi-k2.5"], 384)
+    assert (llama.layer, llama.head_dim, llama.rope_scaling) == ("llama", 128, None)
+    with pytest.raises(ValueError, match="needs an MLA target"):
+        DraftConfig.from_target(family_dirs["qwen3"], 384, layer="mla")
+    with pytest.raises(ValueError, match="norm_before_fc does not exist for an MLA draft layer"):
+        DraftConfig.from_target(family_dirs["kimi-k2.5"], 384, layer="mla", norm_before_fc=True)

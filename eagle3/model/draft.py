@@ -13,6 +13,19 @@ semantics follow vLLM's `llama_eagle3.py` (LlamaModel.forward / combine_hidden_s
 `input_norm` is the RMSNorm of `norm_before_fc`; `norm_output` makes the *normed* state the
 one passed to the next step; `norm_before_residual` makes the residual `hidden_norm(h)`.
 
+Two layer kinds (`DraftConfig.layer`), one forward pass each, both in this file:
+* "llama": the layer above, vLLM's `LlamaForCausalLMEagle3` (any target).
+* "mla": DeepSeek-V3's multi-head latent attention plus a dense MLP, vLLM's `Eagle3DeepseekV3ForCausalLM`
+  (`deepseek_eagle3.py`), the draft the field serves for DeepSeek-V3 / Kimi-K2.5 targets:
+      q = q_b_proj(q_a_layernorm(q_a_proj x))                 # [T, heads, nope + rope]; x the 2H input
+      c, k_pe = kv_a_proj_with_mqa x                           # latent [T, kv_lora], shared RoPE key [T, rope]
+      k_nope, v = kv_b_proj(kv_a_layernorm c)                  # [T, heads, nope], [T, heads, v_dim]
+      a = o_proj(attention(q, cat(k_nope, rope(k_pe)), v))     # rope on q's and k's last `rope` dims
+  with the target's own RoPE (DeepSeek's YaRN, interleaved pairs) and its softmax scale (nope + rope)^-0.5
+  times YaRN's mscale(factor, mscale_all_dim)^2, as vLLM's DeepseekV2MLAAttention computes. The rest of the
+  layer (norms, residual, MLP, norm_output) is the Llama layer's. Its values are padded with zeros to the q/k
+  width inside the layer, so the attention kernels take one head dim; `finish` drops the padding.
+
 Two ways to run it:
 * `ttt_states` / `ttt_forward`: training, k unrolled steps over packed rows with blockwise TTT
   attention (the trainer takes the normed states and applies lm_head inside its fused loss).
@@ -21,9 +34,10 @@ Two ways to run it:
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +87,15 @@ class DraftConfig(BaseModel):
     norm_before_residual: bool = Field(
         False, description="residual of the draft layer is hidden_norm(h) instead of h (off here by measurement)"
     )
+    layer: Literal["llama", "mla"] = Field(
+        "llama", description="the draft layer: a Llama layer (any target), or DeepSeek-V3's MLA attention + a dense "
+        "MLP (an MLA target's own attention widths and RoPE; what vLLM serves as Eagle3DeepseekV3ForCausalLM)"
+    )
+    q_lora_rank: int | None = Field(None, ge=1, description="MLA: query low-rank width (None: a full q_proj)")
+    kv_lora_rank: int | None = Field(None, ge=1, description="MLA: key/value latent width")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="MLA: per-head query/key part without RoPE")
+    qk_rope_head_dim: int | None = Field(None, ge=1, description="MLA: per-head query/key part with RoPE")
+    v_head_dim: int | None = Field(None, ge=1, description="MLA: per-head value width")
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -97,7 +120,32 @@ class DraftConfig(BaseModel):
             raise ValueError(f"draft_vocab_size ({self.draft_vocab_size}) exceeds the target vocab ({self.vocab_size})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.layer == "mla":
+            widths = {k: getattr(self, k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                     "v_head_dim")}
+            if None in widths.values():
+                raise ValueError(f"an MLA draft layer needs the target's MLA widths, got {widths}")
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim or self.v_head_dim > self.head_dim:
+                raise ValueError(f"an MLA draft layer's head_dim ({self.head_dim}) is qk_nope_head_dim + "
+                                 f"qk_rope_head_dim, and v_head_dim ({self.v_head_dim}) at most that")
+            if self.norm_before_fc:
+                raise ValueError("norm_before_fc does not exist for an MLA draft layer: vLLM's "
+                                 "Eagle3DeepseekV3ForCausalLM has no norm over fc's input, so it would serve a "
+                                 "different function than the one trained")
         return self
+
+    @property
+    def attn_scale(self) -> float | None:
+        """The softmax scale when it is not head_dim^-0.5 (None): an MLA layer's (nope + rope)^-0.5 times YaRN's
+        mscale(factor, mscale_all_dim)^2, as DeepSeek-V3 and vLLM's MLA attention scale it."""
+        if self.layer != "mla":
+            return None
+        scale = self.head_dim ** -0.5
+        r = self.rope_scaling or {}
+        if r.get("rope_type") == "yarn" and r.get("mscale_all_dim"):
+            m = 0.1 * float(r["mscale_all_dim"]) * math.log(float(r["factor"])) + 1.0 if float(r["factor"]) > 1 else 1.0
+            scale *= m * m
+        return scale
 
     @property
     def rope_parameters(self) -> dict[str, Any]:
@@ -110,6 +158,7 @@ class DraftConfig(BaseModel):
         target: "str | Path | dict[str, Any] | Target",
         draft_vocab_size: int,
         aux_layer_ids: tuple[int, int, int] | list[int] | None = None,
+        layer: str = "llama",
         **switches: bool,
     ) -> "DraftConfig":
         """Draft config for a target: its HF dir, a `Target`, or a (text) config.json dict.
@@ -121,6 +170,8 @@ class DraftConfig(BaseModel):
         theta. DeepSeek's YaRN variant (`mscale`, `mscale_all_dim`) is not read the same way by a
         Llama layer in vLLM as in transformers, and a draft must compute exactly what serving
         computes; training samples sit within the YaRN's original context anyway.
+        `layer="mla"` (an MLA target only) keeps the target's own attention: its MLA widths, head count and
+        RoPE, YaRN included, which vLLM's MLA draft layer computes as the target does.
         `aux_layer_ids` defaults to vLLM's (2, N//2, N-3). `switches` sets norm_before_fc,
         norm_output and norm_before_residual.
         """
@@ -135,7 +186,17 @@ class DraftConfig(BaseModel):
         heads = cfg["num_attention_heads"]
         theta, scaling = rope_of(cfg)
         head_dim = cfg.get("head_dim") or H // heads
-        if is_mla(cfg):
+        mla: dict[str, Any] = {}
+        if layer == "mla":
+            if not is_mla(cfg):
+                raise ValueError("an MLA draft layer needs an MLA target (DeepSeek-V3, Kimi-K2.5: kv_lora_rank in "
+                                 "its config); use the llama draft layer")
+            mla = {k: cfg.get(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                           "v_head_dim")}
+            head_dim = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
+        elif layer != "llama":
+            raise ValueError(f"draft layer {layer!r}: llama or mla")
+        elif is_mla(cfg):
             head_dim, scaling = MLA_DRAFT_HEAD_DIM, None
         return cls(
             hidden_size=H,
@@ -151,6 +212,8 @@ class DraftConfig(BaseModel):
             vocab_size=cfg["vocab_size"],
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=aux,
+            layer=layer,
+            **mla,
             **switches,
         )
 
@@ -231,6 +294,55 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_q * self.head_dim, c.hidden_size, bias=False)
 
 
+class MLAAttention(nn.Module):
+    """DeepSeek-V3's multi-head latent attention, its projections reading the 2H-wide concatenated input (the
+    names are DeepSeek's, as vLLM's Eagle3DeepseekV3ForCausalLM loads them)."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.n_q = self.n_kv = c.num_attention_heads
+        self.head_dim, self.nope, self.rope = c.head_dim, c.qk_nope_head_dim, c.qk_rope_head_dim
+        self.v_dim = c.v_head_dim
+        self.kv_lora = c.kv_lora_rank
+        n, x = c.num_attention_heads, 2 * c.hidden_size
+        if c.q_lora_rank:
+            self.q_a_proj = nn.Linear(x, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, n * c.head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(x, n * c.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(x, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n * c.v_head_dim, c.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, 2H] -> q, k [B, heads, T, nope + rope] (RoPE on the last `rope` dims), v [B, heads, T, nope +
+        rope] (the value's v_dim, then zeros)."""
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        q = q.view(B, T, self.n_q, self.head_dim).transpose(1, 2)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.n_q, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        q_pe, k_pe = apply_rope_interleaved(q[..., self.nope:], k_pe[:, None], cos, sin)
+        q = torch.cat([q[..., :self.nope], q_pe], -1)
+        k = torch.cat([k_nope, k_pe.expand(B, self.n_q, T, self.rope)], -1)
+        return q, k, F.pad(v, (0, self.head_dim - self.v_dim))
+
+
+def apply_rope_interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """DeepSeek's RoPE on interleaved pairs (x0, x1), (x2, x3), ... (vLLM's is_neox_style=False): the pairs are
+    gathered into halves first, then rotated as `apply_rope` does, so q and k leave in the same (permuted) layout
+    and q . k is the rotated pairs' product. q [B, h, T, D], k [B, 1, T, D]; cos, sin [B, T, D]."""
+
+    def halves(x):
+        *lead, d = x.shape
+        return x.view(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
+
+    return apply_rope(halves(q), cos, sin), apply_rope(halves(k), cos, sin)
+
+
 class MLP(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
@@ -248,9 +360,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.norm_before_residual = c.norm_before_residual
+        self.scale = c.attn_scale  # the softmax scale (None: head_dim^-0.5)
+        self.v_dim = c.v_head_dim if c.layer == "mla" else c.head_dim
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = MLAAttention(c) if c.layer == "mla" else Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -260,6 +374,8 @@ class DecoderLayer(nn.Module):
         residual = hn if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), hn], -1)  # [B, T, 2H]
         a = self.self_attn
+        if isinstance(a, MLAAttention):
+            return (*a.qkv(x, cos, sin), residual)
         B, T, _ = x.shape
         q = a.q_proj(x).view(B, T, a.n_q, a.head_dim).transpose(1, 2)
         k = a.k_proj(x).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
@@ -268,6 +384,7 @@ class DecoderLayer(nn.Module):
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn: [B, Hq, T, D] attention output -> the layer's pre-norm output [B, T, H]."""
+        attn = attn[..., :self.v_dim]  # an MLA layer's values were padded to the q/k width
         B, Hq, T, D = attn.shape
         r = self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, Hq * D)) + residual
         return r + self.mlp(self.post_attention_layernorm(r))
@@ -398,7 +515,7 @@ class Eagle3Draft(nn.Module):
         n = q.shape[2]
         # query i sits at cache index past + i and sees indices <= past + i
         mask = torch.arange(past + n, device=q.device)[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.midlayer.scale)
         return self.head(self.midlayer.finish(attn, residual))
 
     # ------------------------------------------------------------ training
@@ -452,7 +569,7 @@ class Eagle3Draft(nn.Module):
             else:
                 kd.append(k)
                 vd.append(v)
-            attn = ttt_attention(q, k0, v0, kd, vd, doc, block=block)
+            attn = ttt_attention(q, k0, v0, kd, vd, doc, scale=self.midlayer.scale, block=block)
             normed, h = self.head(self.midlayer.finish(attn, residual))
             states.append(normed)
         return states
@@ -485,7 +602,7 @@ class Eagle3Draft(nn.Module):
         pos = torch.arange(L, device=dev)[None]
         cos, sin = self.rope(e, pos)
         q, k0, v0, residual = self.midlayer.project(e, self.combine(aux), cos, sin)  # q [1, Hq, L, D]
-        attn = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=True)
+        attn = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=True, scale=self.midlayer.scale)
         t = at.nonzero()[:, 0]  # [n]
         normed, h = self.head(self.midlayer.finish(attn[:, :, t], residual[:, t]))  # [1, n, H]
         out = [(t, normed[0])]
@@ -509,7 +626,8 @@ class Eagle3Draft(nn.Module):
             own = torch.eye(n, dtype=torch.bool, device=dev).repeat(1, j)  # [n, j * n]
             mask = torch.cat([causal, own], 1)
             attn = F.scaled_dot_product_attention(qj, torch.cat([k0, *kd], 2), torch.cat([v0, *vd], 2),
-                                                  attn_mask=mask, enable_gqa=True)  # [1, Hq, n, D]
+                                                  attn_mask=mask, enable_gqa=True,
+                                                  scale=self.midlayer.scale)  # [1, Hq, n, D]
             normed, h = self.head(self.midlayer.finish(attn, residual))
             out.append((t, normed[0]))
         if keep is not None and len(t):
@@ -518,9 +636,20 @@ class Eagle3Draft(nn.Module):
 
 
 def _rotary(c: DraftConfig) -> nn.Module:
-    """HF's own Llama rotary module, so every rope_type (llama3, yarn, dynamic, ...) is the target's exactly."""
+    """HF's own Llama rotary module, so every rope_type (llama3, yarn, dynamic, ...) is the target's exactly; for
+    an MLA layer DeepSeek-V3's, over the qk_rope_head_dim part (its YaRN tables carry DeepSeek's mscale ratio)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    if c.layer == "mla":
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+        return DeepseekV3RotaryEmbedding(DeepseekV3Config(
+            hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, qk_rope_head_dim=c.qk_rope_head_dim,
+            qk_nope_head_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim, kv_lora_rank=c.kv_lora_rank,
+            q_lora_rank=c.q_lora_rank, max_position_embeddings=c.max_position_embeddings,
+            rope_parameters=c.rope_parameters))
 
     lc = LlamaConfig(
         hidden_size=c.hidden_size,
