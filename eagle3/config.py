@@ -163,6 +163,11 @@ class TrainConfig(_Cfg):
                                  description="RMSNorm over the 3H input of fc (speculators #692; off by measurement)")
     norm_output: bool = Field(True, description="pass the normed hidden state to the next draft step")
     norm_before_residual: bool = Field(False, description="vLLM's norm_before_residual switch (off by measurement)")
+    draft_layer: Literal["llama", "mla"] = Field(
+        "llama", description="the draft's decoder layer: llama (any target; vLLM's LlamaForCausalLMEagle3) or mla "
+        "(an MLA target's own attention, DeepSeek-V3 / Kimi-K2.5; vLLM's Eagle3DeepseekV3ForCausalLM, the layer "
+        "the field serves for Kimi-K2.5)"
+    )
     attn_block: int = Field(256, ge=16, description="query block of the TTT attention kernel")
     fsdp: bool = Field(False, description="FSDP2 instead of DDP (CUDA only)")
     export_format: Literal["vllm", "speculators"] = Field("vllm", description="layout of final/")

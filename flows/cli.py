@@ -7,7 +7,8 @@ import os
 import sys
 
 from eagle3 import cli
-from eagle3.runtime.vllm_engine import serve_command
+from eagle3.model.target import Target
+from eagle3.runtime.vllm_engine import on_cpu, resolve_dtype, serve_command
 
 
 def _run(a) -> None:
@@ -44,7 +45,11 @@ def _run(a) -> None:
           f"({cfg.eval.prompts}, {r.mode}); speedup {r.speedup_vs_target or 0:.2f}x over greedy; "
           f"lossless: {r.lossless}")
     print(f"draft: {final}")
-    print(f"serve it: {serve_command(os.path.abspath(cfg.model), final, r.k)}")
+    # the target's own engine arguments (text-only for a VLM, the CPU MLA backend), as the eval's engines had them
+    own = Target.open(cfg.model).vllm_args(resolve_dtype("auto"), on_cpu())
+    if cfg.trust_remote_code:
+        own["trust_remote_code"] = True
+    print(f"serve it: {serve_command(os.path.abspath(cfg.model), final, r.k, own)}")
 
 
 def build_parser():

@@ -98,11 +98,12 @@ def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path,
     target = Target.open(model_dir, trust_remote_code)
     tok = target.tokenizer()
     dtype = resolve_dtype(cfg.dtype)
-    common = dict(model=str(model_dir), dtype=dtype, **target.vllm_args(dtype, on_cpu()),
+    own = target.vllm_args(dtype, on_cpu())
+    common = dict(model=str(model_dir), dtype=dtype, **own,
                   gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
                   disable_log_stats=False, trust_remote_code=trust_remote_code, **cfg.engine_args)
     base = start_engine("eval --backend vllm", **common)
-    spec = start_engine("eval --backend vllm", **common, speculative_config=speculative_config(draft_dir, k))
+    spec = start_engine("eval --backend vllm", **common, speculative_config=speculative_config(draft_dir, k, own))
     sp = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
 
     def gen(llm):

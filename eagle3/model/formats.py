@@ -10,6 +10,14 @@ Eagle3Draft's names, which are vLLM's (no `model.` prefix): fc, input_norm (norm
 midlayer.*, norm, lm_head, d2t; t2d is kept for our own tools (vLLM skips it); embed_tokens is
 left out (vLLM shares the target's).
 
+An MLA draft layer (`DraftConfig.layer == "mla"`) is written for vLLM's `Eagle3DeepseekV3ForCausalLM`
+(`deepseek_eagle3.py`): architectures ["Eagle3DeepseekV3ForCausalLM"], model_type "deepseek_v2", the target's
+MLA widths (q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim) and its RoPE (YaRN
+included), the same top-level EAGLE-3 keys less norm_before_fc (that draft has no norm over fc's input), and
+DeepSeek's tensor names under `midlayer.self_attn.` (q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
+kv_a_layernorm, kv_b_proj, o_proj; vLLM renames `midlayer.` to `layers.0.` and fuses q_a_proj with
+kv_a_proj_with_mqa, gate_proj with up_proj, itself). speculators has no MLA draft: that export refuses it.
+
 `speculators`: the same tensors with the decoder layer under `layers.0.` and the speculators
 config (speculators_model_type, transformer_layer_config, speculators_config with the proposal's
 speculative_tokens and the verifier's name_or_path).
@@ -67,7 +75,39 @@ def _eagle_fields(c) -> dict[str, Any]:
     }
 
 
+def _mla_config(c) -> dict[str, Any]:
+    """An MLA draft layer as the DeepSeek-V3 config dict vLLM's Eagle3DeepseekV3ForCausalLM reads."""
+    return {
+        "architectures": ["Eagle3DeepseekV3ForCausalLM"],
+        # not "deepseek_v3": vLLM turns a speculative model of that type into DeepSeek's own MTP layer
+        # (SpeculativeConfig.hf_config_override) whatever its architectures say. DeepseekV2Config reads the same
+        # MLA fields, and Eagle3DeepseekV2ForCausalLM is the class Eagle3DeepseekV3ForCausalLM names.
+        "model_type": "deepseek_v2",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "q_lora_rank": c.q_lora_rank,
+        "kv_lora_rank": c.kv_lora_rank,
+        "qk_nope_head_dim": c.qk_nope_head_dim,
+        "qk_rope_head_dim": c.qk_rope_head_dim,
+        "v_head_dim": c.v_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "num_hidden_layers": 1,
+        "vocab_size": c.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
 def vllm_config(c, k: int) -> dict[str, Any]:
+    if c.layer == "mla":
+        fields = {key: v for key, v in _eagle_fields(c).items() if key != "norm_before_fc"}
+        return {**_mla_config(c), **fields, "num_speculative_tokens": k, "torch_dtype": "float32"}
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **_layer_config(c),
@@ -111,6 +151,8 @@ def export(state: dict[str, torch.Tensor], config, k: int, out: str | Path, fmt:
     """Write `out/` (config.json + model.safetensors) atomically, replacing an older export."""
     if fmt not in ("vllm", "speculators"):
         raise ValueError(f"unknown export format {fmt!r} (vllm or speculators)")
+    if fmt == "speculators" and config.layer == "mla":
+        raise ValueError("the speculators format has no MLA draft layer: export an MLA head as vllm (native)")
     out = Path(out)
     d2t = state["d2t"]
     if d2t.numel() > 1 and not bool(d2t.any()) and config.draft_vocab_size < config.vocab_size:
@@ -200,6 +242,7 @@ def load_draft(
 
     tgt = Target.open(target_dir).text
     layer = dict(cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else dict(cfg)
+    kind = "mla" if layer.get("kv_lora_rank") is not None else "llama"  # DeepSeek's MLA draft (vLLM's key)
     for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
         if key not in layer:
             raise ValueError(f"{cpath}: missing {key!r}"
@@ -221,7 +264,9 @@ def load_draft(
         "norm_before_residual": _flag(cfg, "norm_before_residual", False),
     }
     # The draft layer's own shape, with the target's depth so the aux ids validate against it.
-    c = DraftConfig.from_target({**layer, "num_hidden_layers": N, "vocab_size": V}, Vd, aux, **switches)
+    if kind == "mla":
+        switches.pop("norm_before_fc")  # vLLM's MLA draft has none
+    c = DraftConfig.from_target({**layer, "num_hidden_layers": N, "vocab_size": V}, Vd, aux, layer=kind, **switches)
     th = int(cfg.get("target_hidden_size") or tgt["hidden_size"])
     if th != c.target_hidden_size:
         c = DraftConfig(**{**c.model_dump(), "target_hidden_size": th})

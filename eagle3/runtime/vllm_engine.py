@@ -85,24 +85,35 @@ def shutdown(llm: Any) -> None:
         core.shutdown()
 
 
-def speculative_config(draft_dir: str, k: int) -> dict[str, Any]:
-    """vLLM's `speculative_config` that serves an EAGLE-3 head as is (always name the method)."""
-    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
+def speculative_config(draft_dir: str, k: int, engine_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's `speculative_config` that serves an EAGLE-3 head as is (always name the method). The draft picks its
+    own attention backend unless told: an engine's `attention_backend` (the CPU MLA one, see `Target.vllm_args`)
+    is given to the draft too, or vLLM picks the AMX one for an MLA draft on such a host."""
+    spec: dict[str, Any] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
+    if (engine_args or {}).get("attention_backend"):
+        spec["attention_backend"] = engine_args["attention_backend"]
+    return spec
 
 
-def serve_command(model: str, draft_dir: str, k: int) -> str:
+def serve_command(model: str, draft_dir: str, k: int, engine_args: dict[str, Any] | None = None) -> str:
     """The shell command that serves `model` with the head in `draft_dir` through vLLM's OpenAI server.
 
     `python -m vllm.entrypoints.openai.api_server` rather than `vllm serve`: the same server, and it
     also starts from the CPU build, whose `vllm` CLI looks up a distribution named "vllm" and dies.
     On a CPU engine the KV cache size is set (vLLM would otherwise ask for 92% of memory) and fp32 named.
+    `engine_args` are the target's own (`Target.vllm_args`: text-only for a VLM, the CPU MLA backend), as
+    flags; `trust_remote_code` adds --trust-remote-code.
     """
     import json
     import shlex
     import sys
 
+    engine_args = dict(engine_args or {})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--speculative-config", json.dumps(speculative_config(draft_dir, k))]
+           "--speculative-config", json.dumps(speculative_config(draft_dir, k, engine_args))]
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        cmd += [flag] if value is True else [] if value is False else [flag, str(value)]
     if not on_cpu():
         return shlex.join(cmd)
     return f"VLLM_CPU_KVCACHE_SPACE={CPU_KV_CACHE_GIB} " + shlex.join(cmd + ["--dtype", resolve_dtype("auto")])

@@ -79,6 +79,7 @@ def build_draft(cfg: TrainConfig, hidden: HiddenStates, verifier_dir: Path) -> E
     dcfg = DraftConfig.from_target(
         hidden.model_dir, draft_vocab_size=ver.draft_vocab_size, aux_layer_ids=hidden.aux_layer_ids,
         norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output, norm_before_residual=cfg.norm_before_residual,
+        layer=cfg.draft_layer,
     )
     torch.manual_seed(cfg.seed)  # same init on every rank and every rerun
     draft = Eagle3Draft.from_verifier(dcfg, verifier_dir)
