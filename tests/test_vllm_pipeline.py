@@ -1,11 +1,13 @@
 """The whole pipeline with `backend: vllm` on the real engine, then the head served as the pipeline says.
 
-One `eagle3 run` (a real embedded Prefect server, the user's command) on SmolLM2: regenerate, extract and
-eval run on vLLM's CPU engine, training under torchrun. The head is trained for 15 epochs on the
-target's own answers to 24 questions, so it has learnt them and is accepted when asked them again. Then
-the exact command the run prints under "serve it:" starts vLLM's OpenAI server with the trained head;
-chat replies through the `openai` client must equal the target's own greedy answers, and the server's
-/metrics must count accepted draft tokens.
+One `eagle3 run` (a real embedded Prefect server, the user's command) per target: SmolLM2, and the tiny
+Kimi-K2.5 layout (VLM wrapper, MLA + MoE, slow custom tokenizer) with an MLA draft layer. Regenerate,
+extract and eval run on vLLM's CPU engine, training under torchrun. The head is trained for 15 epochs on
+the target's own answers to 24 questions, so it has learnt them and is accepted when asked them again.
+Then the exact command the run prints under "serve it:" starts vLLM's OpenAI server with the trained
+head; chat replies through the `openai` client must equal the target's own greedy answers, and the
+server's /metrics must count accepted draft tokens. On Kimi-K2.5's layout the trained head also scores
+in the hf evaluator exactly what vLLM's counters scored in the run, far above a random head of its kind.
 """
 from __future__ import annotations
 
@@ -26,22 +28,24 @@ pytestmark = pytest.mark.vllm
 ENGINE = {"enforce_eager": True}  # tests/engine.py: start in ~45 s instead of ~150 s
 
 
-@pytest.fixture(scope="module")
-def vllm_run(smollm2_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["smollm2", "kimi-k2.5"])
+def vllm_run(request, smollm2_dir, family_dirs, tmp_path_factory):
     from prefect_service import chat
 
+    kimi = request.param == "kimi-k2.5"
     root = tmp_path_factory.mktemp("vllm-run")
     data = root / "chats.jsonl"
     data.write_text("\n".join(json.dumps(chat(i)) for i in range(24)))
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}: what is {i} plus {i}?"}) + "\n" for i in (3, 7)))
     cfg = {
-        "model": str(smollm2_dir), "run_dir": str(root / "run"),
+        "model": str(family_dirs["kimi-k2.5"] if kimi else smollm2_dir), "run_dir": str(root / "run"),
+        "trust_remote_code": kimi,
         "regenerate": {"backend": "vllm", "max_new_tokens": 32, "engine_args": ENGINE},
         "prepare": {"data": str(data), "draft_vocab": 512, "val_fraction": 0.1},
         "extract": {"backend": "vllm", "engine_args": ENGINE},
         "train": {"ttt_steps": 3, "epochs": 15, "pack_tokens": 512, "lr": 3e-3, "warmup_steps": 5, "val_every": 1000,
-                  "replay_prompts": 0},
+                  "replay_prompts": 0, "draft_layer": "mla" if kimi else "llama"},
         "eval": {"backend": "vllm", "prompts": str(prompts), "k": 3, "max_new_tokens": 24, "engine_args": ENGINE},
     }
     (root / "run.yaml").write_text(yaml.safe_dump(cfg))
@@ -59,12 +63,47 @@ def test_pipeline_runs_every_engine_stage_on_vllm(vllm_run):
     root, cfg, out = vllm_run
     run = root / "run"
     hidden = HiddenStates.read(run / "extract")
-    assert hidden.backend == "vllm" and hidden.layer_ids == [2, 15, 27, 30] and hidden.num_samples > 0
+    n = 8 if cfg["trust_remote_code"] else 30
+    assert hidden.backend == "vllm" and hidden.layer_ids[-1] == n and hidden.num_samples > 0
+    check = hidden.stats["final_check"]
+    assert check["passed"] and check["source"] == "vLLM prompt_logprobs", check
     regen = json.loads((run / "regenerate" / "manifest.json").read_text())
     assert regen["backend"] == "vllm" and regen["settings"]["dtype"] == "float32"
     r = EvalReport.read(run / "eval")
     assert r.backend == "vllm" and r.lossless and r.num_drafts > 0 and 1.0 < r.acceptance_length <= 4.0
     assert "serve it: VLLM_CPU_KVCACHE_SPACE=2 " in out
+    final = json.loads((run / "train" / "final" / "config.json").read_text())
+    if cfg["trust_remote_code"]:  # Kimi-K2.5: an MLA head, served text-only with the CPU MLA backend
+        assert final["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and final["kv_lora_rank"] == 512
+        assert "--language-model-only --attention-backend CPU_MLA --trust-remote-code" in out
+    else:
+        assert final["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+def test_trained_head_scores_in_hf_what_vllm_counted(vllm_run):
+    """The hf evaluator, on the head the run exported and the run's prompts, finds the drafts, accepted tokens and
+    per-position counts vLLM's counters gave in the run; a random head of the same kind is accepted far less: the
+    engine served the trained weights."""
+    from eagle3.config import EvalConfig
+    from eagle3.eval.run import evaluate
+    from eagle3.model.formats import export
+    from eagle3.storage.manifests import EvalReport
+
+    from test_evaluate import random_draft
+
+    root, cfg, out = vllm_run
+    run, trust = root / "run", cfg["trust_remote_code"]
+    v = EvalReport.read(run / "eval")
+    ecfg = EvalConfig(prompts=cfg["eval"]["prompts"], k=3, max_new_tokens=24, threads=1)
+    h = evaluate(cfg["model"], run / "train" / "final", root / "hf-eval", ecfg, trust_remote_code=trust)
+    assert (h.num_drafts, h.num_accepted_tokens, h.per_position_acceptance, h.acceptance_length) == \
+        (v.num_drafts, v.num_accepted_tokens, v.per_position_acceptance, v.acceptance_length)
+    d = random_draft(cfg["model"], draft_vocab=512, seed=2, layer="mla" if trust else "llama")
+    rnd = evaluate(cfg["model"], export(d.state_dict(), d.config, 3, root / "random"), root / "random-eval", ecfg,
+                   trust_remote_code=trust)
+    print(f"\ntrained head: tau {v.acceptance_length:.3f} (vLLM) = {h.acceptance_length:.3f} (hf); a random head "
+          f"{rnd.acceptance_length:.3f}")
+    assert v.acceptance_length >= rnd.acceptance_length + 0.5
 
 
 def _port() -> int:
@@ -103,7 +142,7 @@ def test_served_head_answers_as_the_target_and_counts_accepted_tokens(vllm_run):
 
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
         model_name = client.models.list().data[0].id
-        target = Target.open(cfg["model"])
+        target = Target.open(cfg["model"], trust_remote_code=cfg["trust_remote_code"])
         tok = target.tokenizer()
         lm = target.load_model(head=True).eval()
         eos = sorted(target.stop_ids())
