@@ -232,6 +232,11 @@ class TargetPlan(_Cfg):
     num_parameters: float = Field(gt=0, description="total parameters (vLLM weight memory)")
     active_parameters: float | None = Field(None, gt=0, description="parameters used per token (MoE); empty: all")
     weight_bytes: float = Field(2.0, gt=0, description="bytes per stored weight (2 = bf16, 1 = fp8)")
+    q_lora_rank: int | None = Field(None, ge=1, description="MLA targets: query low-rank width")
+    kv_lora_rank: int | None = Field(None, ge=1, description="MLA targets: key/value latent width")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="MLA targets: per-head q/k width without RoPE")
+    qk_rope_head_dim: int | None = Field(None, ge=1, description="MLA targets: per-head q/k width with RoPE")
+    v_head_dim: int | None = Field(None, ge=1, description="MLA targets: per-head value width")
 
 
 class PipelineConfig(_Cfg):

@@ -14,7 +14,7 @@ through prepare's own stream and scaled to the records it will read (else ShareG
 
 Wall time per remaining stage, on CPU from SmolLM2 rates measured on a 2-core host, scaled by the
 target's size and by this host's speed (`host`: a few seconds of the same kernels, eagle3/probe.py:
-hosts of one kind run this code 1.2-1.8x apart), on GPU (vLLM) from compute-bound planning rates; a run over
+hosts of one kind run this code 1.2-1.8x apart), on GPU from measured rates turned into FLOP/s per GPU; a run over
 `max_hours` is refused. On CPU the eval's answer build (the replay's batched greedy decoding, the run's
 memory peak) must fit MemAvailable with at least 8 rows at once, else the run is refused with the options.
 Extraction over `extract.workers` hosts takes the largest range's share of one host's time.
@@ -39,12 +39,17 @@ SHAREGPT_RECORDS = 17_671     # complete records of the bundled (truncated) file
 SHAREGPT_KEPT = 0.95          # share that survives normalization (measured on the first 2,000)
 SHAREGPT_MEAN_TOKENS = 1_360  # mean tokens of a kept conversation, SmolLM2 template, before truncation
 HEADROOM = 1.10               # 10% slack on every disk estimate
-# Time estimates. GPU: compute-bound, FLOPs / (devices x effective FLOP/s), planning assumptions
-# (bf16 prefill on an H200 at ~40% of its 989 TFLOP/s dense peak; small-matrix training at ~15%).
+# Time estimates. GPU: FLOPs / (devices x FLOP/s per GPU), the FLOP/s those of measured runs (a datasheet peak
+# overstated extraction 22x: Kimi-K2.5 planned at 7m36s, measured at 2h47m).
 # CPU: SmolLM2-135M rates measured on a 2-core host, scaled by the target's size; where each was
 # measured, with its command: benchmarks/RESULTS.md, "Planning rates of the preflight".
-GPU_PREFILL_FLOPS = 400e12
-GPU_TRAIN_FLOPS = 150e12
+# GPU extraction (vLLM), 2 x active parameters x tok/s / GPUs of a measured run: MoE from Kimi-K2.5 (INT4, 32B
+# active) at TP 8 on an 8 x H200 host, ~2,280 tok/s (18.2 TFLOP/s per GPU); dense from the hf extraction stage
+# on a Llama-3.2-1B-shaped model on one H200, 22,576 tok/s (`benchmarks.gpu_check`, 56 TFLOP/s per GPU).
+GPU_EXTRACT_FLOPS = {"moe": 18.2e12, "dense": 56e12}
+# GPU training: `benchmarks.gpu_check`'s trainer on one H200 at Llama-3.1-8B draft shapes (k=7, draft vocab 32k,
+# 8192-token packs, bf16): 8,204 tok/s, i.e. this module's FLOPs per trained token x 8,204 = 138 TFLOP/s.
+GPU_TRAIN_FLOPS = 138e12
 PREPARE_CONV_PER_S = 490          # prepare, conversations/s (where no sample of the source was timed)
 EXTRACT_CPU_TOK_PER_S = 570       # hf extraction, 2 threads, packed linears
 # training, k=3, 2048-token packs, 2 threads: the first epoch (it computes the target's full-vocab argmax where a
@@ -104,8 +109,8 @@ class Plan:
         """The preflight artifact: the time first, then the table and the verdict."""
         verdict = "\n".join(f"- **{x}**" for x in self.problems) or "Every remaining stage fits."
         return (f"# eagle3 preflight\n\n**{self.time_line()[0].upper()}{self.time_line()[1:]}.** CPU times come "
-                f"from this project's measured rates, scaled by this host's speed; GPU times are compute-bound "
-                f"estimates.\n\n{self.host.line()}\n\n"
+                f"from this project's measured rates, scaled by this host's speed; GPU times from rates measured on "
+                f"H200 hosts.\n\n{self.host.line()}\n\n"
                 f"~{self.tokens:,} tokens\n\n{self._store()}{self.table()}\n\n{verdict}\n")
 
     def _store(self) -> str:
@@ -125,6 +130,7 @@ def target_plan(cfg: PipelineConfig) -> TargetPlan:
                           num_key_value_heads=kv,
                           head_dim=MLA_DRAFT_HEAD_DIM if t.is_mla else int(c.get("head_dim") or H // heads),
                           num_parameters=total, active_parameters=active if active < total else None,
+                          **{k: c.get(k) for k in MLA_WIDTHS if t.is_mla},
                           weight_bytes=4.0 if c.get("dtype", c.get("torch_dtype")) == "float32" else 2.0)
     if cfg.target is None:
         raise PreflightError(f"{cfg.model} is not on this machine; add a `target:` shape to the config to plan the run")
@@ -227,10 +233,24 @@ def eval_turns(cfg: PipelineConfig) -> int:
     return min(n, e.limit) if e.limit else n
 
 
-def draft_params(t: TargetPlan, draft_vocab: int) -> int:
-    H, Hi = t.hidden_size, t.intermediate_size
-    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * Hi + draft_vocab * H + 3 * H + 3 * H
+MLA_WIDTHS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def draft_params(t: TargetPlan, draft_vocab: int, layer: str = "llama") -> int:
+    """The draft's trained parameters: fc, the layer (Llama attention or MLA over the 2H input), MLP, lm_head, norms."""
+    H, Hi, n = t.hidden_size, t.intermediate_size, t.num_attention_heads
+    if layer == "mla":
+        if t.kv_lora_rank is None or t.qk_nope_head_dim is None or t.qk_rope_head_dim is None or t.v_head_dim is None:
+            raise PreflightError("train.draft_layer mla needs the target's MLA widths: its config.json, or "
+                                 f"{', '.join(MLA_WIDTHS)} in the config's `target:` plan")
+        qk = t.qk_nope_head_dim + t.qk_rope_head_dim
+        q = 2 * H * t.q_lora_rank + t.q_lora_rank * n * qk if t.q_lora_rank else 2 * H * n * qk
+        attn = (q + 2 * H * (t.kv_lora_rank + t.qk_rope_head_dim)
+                + t.kv_lora_rank * n * (t.qk_nope_head_dim + t.v_head_dim) + n * t.v_head_dim * H)
+    else:
+        q, kv = n * t.head_dim, t.num_key_value_heads * t.head_dim
+        attn = 2 * H * (q + 2 * kv) + q * H
+    return 3 * H * H + attn + 3 * H * Hi + draft_vocab * H + 3 * H + 3 * H
 
 
 def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | None = None,
@@ -240,7 +260,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     t = target_plan(cfg)
     tokens = expected_tokens(cfg)
     vd = cfg.prepare.draft_vocab or min(32000, t.vocab_size)
-    P = draft_params(t, vd)
+    P = draft_params(t, vd, cfg.train.draft_layer)
     tc = cfg.train
     host = host or HostSpeed()
     pl = Plan(tokens=tokens, max_hours=max_hours, host=host)
@@ -267,7 +287,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     gpus = cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size
     active = t.active_parameters or t.num_parameters
     if cfg.extract.backend == "vllm":
-        ex_s = 2 * active * tokens / (gpus * GPU_PREFILL_FLOPS)
+        ex_s = 2 * active * tokens / (gpus * GPU_EXTRACT_FLOPS["moe" if t.active_parameters else "dense"])
     else:
         ex_s = tokens / EXTRACT_CPU_TOK_PER_S * (active / SMOLLM2_PARAMS) / host.forward
     pd = P - vd * t.hidden_size - 3 * t.hidden_size * t.hidden_size  # one TTT step's layer weights

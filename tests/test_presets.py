@@ -13,9 +13,9 @@ HOST = dict(free_bytes=4 << 40, free_mem=1 << 40)  # 4 TiB disk, plenty of RAM (
 
 # preset -> (hidden-state GiB, all-disk GiB with headroom, extract minutes, train minutes), as documented
 DOCUMENTED = {
-    "llama-3.1-8b": (697, 792, 15, 16),
-    "qwen3-8b": (697, 791, 16, 15),
-    "kimi-k2.5": (762, 901, 8, 28),
+    "llama-3.1-8b": (697, 792, 109, 17),
+    "qwen3-8b": (697, 791, 111, 16),
+    "kimi-k2.5": (762, 888, 167, 23),
 }
 
 
@@ -37,6 +37,7 @@ def test_kimi_preset_specifics():
     assert cfg.extract.tensor_parallel_size == 8
     assert cfg.extract.aux_layer_ids == [2, 30, 58] and cfg.target.num_hidden_layers == 61
     assert cfg.trust_remote_code is True  # its tokenizer is custom code
+    assert cfg.train.draft_layer == "mla" and cfg.target.kv_lora_rank == 512  # the draft the field serves for it
 
 
 def test_local_moe_target_is_planned_from_its_config(family_dirs):
