@@ -15,14 +15,19 @@ template and generation_config.json -- at a size a 2-core CPU runs end to end in
   151,669 tokens), ChatML with Qwen3's thinking template (`<think>\\n\\n</think>\\n\\n` before the
   last answer, earlier reasoning dropped) and the `<think>`/`</think>` added as non-special tokens.
 - `kimi-k2.5`: `KimiK25ForConditionalGeneration` (`model_type: kimi_k25`, auto_map to custom code)
-  wrapping a DeepSeek-V3 text model in `text_config` (`model_type: kimi_k2`; MLA with q/kv LoRA
-  ranks, YaRN RoPE, `first_k_dense_replace` dense layers then routed + shared experts), weights
-  under `language_model.model.*` and `language_model.lm_head.weight` beside `vision_tower.*` and
-  `mm_projector.*`; the slow custom tiktoken tokenizer of `tests/kimi/tokenization_kimi.py` through
-  `auto_map` (its 258 special ids run 2 past the embedding's rows, as the real one's do), Kimi's
-  chat template (`<|im_system|>`, `<|im_user|>`, `<|im_assistant|>`, `<|im_middle|>`, `<|im_end|>`,
-  a default system prompt, `<think></think>` before each earlier answer). Its modeling and
-  configuration modules raise when imported: eagle3 must never run them.
+  wrapping a DeepSeek-V3 text model in `text_config` (`model_type: kimi_k2`; MLA at Kimi's real widths --
+  kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim and v_head_dim 128, the only latent vLLM's CPU MLA
+  kernel runs -- with a small q_lora_rank, hidden size and head count, YaRN RoPE, `first_k_dense_replace`
+  dense layers then routed + shared experts with Kimi's routing settings), weights under
+  `language_model.model.*` and `language_model.lm_head.weight` beside a tiny MoonViT tower and
+  `mm_projector` under the checkpoint's own names (`vision_config` in its `vt_*` schema), the image
+  processor's settings (`preprocessor_config.json`); the slow custom tiktoken tokenizer of
+  `tests/kimi/tokenization_kimi.py` through `auto_map` (its 258 special ids run 2 past the embedding's rows,
+  as the real one's do), Kimi's chat template (`<|im_system|>`, `<|im_user|>`, `<|im_assistant|>`,
+  `<|im_middle|>`, `<|im_end|>`, a default system prompt, `<think></think>` before each earlier answer). Its
+  modeling, configuration and processor modules raise when imported: eagle3 must never run them (vLLM
+  reads the config with transformers' own class). `build_kimi_int4` writes a copy with the release's INT4
+  routed experts (compressed-tensors pack-quantized, symmetric groups of 32).
 
 Tokenizers are trained on the first ShareGPT conversations of the bundled dataset (deterministic).
 """
