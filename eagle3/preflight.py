@@ -241,8 +241,9 @@ def draft_params(t: TargetPlan, draft_vocab: int, layer: str = "llama") -> int:
     H, Hi, n = t.hidden_size, t.intermediate_size, t.num_attention_heads
     if layer == "mla":
         if t.kv_lora_rank is None or t.qk_nope_head_dim is None or t.qk_rope_head_dim is None or t.v_head_dim is None:
-            raise PreflightError("train.draft_layer mla needs the target's MLA widths: its config.json, or "
-                                 f"{', '.join(MLA_WIDTHS)} in the config's `target:` plan")
+            raise PreflightError("train.draft_layer mla needs an MLA target (DeepSeek-V3, Kimi-K2.5) and its widths: "
+                                 f"its config.json, or {', '.join(MLA_WIDTHS)} in the config's `target:` plan; use "
+                                 "draft_layer llama for this target")
         qk = t.qk_nope_head_dim + t.qk_rope_head_dim
         q = 2 * H * t.q_lora_rank + t.q_lora_rank * n * qk if t.q_lora_rank else 2 * H * n * qk
         attn = (q + 2 * H * (t.kv_lora_rank + t.qk_rope_head_dim)
@@ -284,6 +285,9 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
                            f"train.ttt_steps or the draft vocab")
     if cfg.eval.backend == "hf" and cfg.eval.mode == "replay" and not _has_cuda():
         pl.problems += eval_memory(pl, cfg, t, mem)
+    if cfg.eval.backend == "vllm" and t.kv_lora_rank and tc.draft_layer == "llama" and not _has_cuda():
+        pl.problems.append("eval: vLLM's CPU engine cannot serve a Llama-layer draft beside this MLA target (their KV "
+                           "blocks have no common size there); set train.draft_layer: mla, or eval.backend: hf")
     gpus = cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size
     active = t.active_parameters or t.num_parameters
     if cfg.extract.backend == "vllm":

@@ -235,6 +235,7 @@ def test_online_equals_offline_bitwise_and_never_exceeds_the_spool(stages, tiny_
     assert store > SPOOL and m["num_windows"] >= 6  # the whole store never fit: the spool was really cycled
     assert watch.samples > 100 and 0 < watch.peak <= SPOOL and m["stats"]["peak_spool_bytes"] <= SPOOL
     assert m["stats"]["windows_written"] == m["num_windows"] and m["stats"]["windows_written_again"] == 0
+    assert m["stats"]["final_check"]["passed"] is not False and m["stats"]["final_check"]["positions"] > 0
     assert not list((spool / "shards").iterdir())  # the trainer finished: nothing of the states is kept
     # a rerun of both is a no-op that returns the same results at once
     prod = producer(stages, spool, *EXTRACT, model=tiny_llama_dir)
@@ -316,6 +317,7 @@ def test_two_producers_equal_one_bitwise_share_the_cap_and_resume_a_kill(stages,
     even = sum(w["split"] == "train" and w["index"] % 2 == 0 for w in p["windows"])
     assert (first["windows_written"], second["windows_written"]) == (even, m["num_windows"] - even)
     assert st["windows_written"] == m["num_windows"] and st["windows_written_again"] == 0
+    assert st["final_check"]["ranges"] == 2 and st["final_check"]["passed"] is not False  # each producer checked
     assert not list((spool / "shards").iterdir()) and not list(spool.glob("*.reserve"))
 
 
@@ -353,6 +355,8 @@ def test_the_real_vllm_engine_produces_what_the_trainer_reads(family_dirs, tmp_p
     wait(prod)
     m = json.loads((spool / "manifest.json").read_text())
     assert m["backend"] == "vllm" and m["stats"]["peak_spool_bytes"] <= SPOOL
+    check = m["stats"]["final_check"]  # run on the producer's first window, before its commit
+    assert check["passed"] and check["source"] == "vLLM prompt_logprobs", check
     a, b = train_records(root / "online-v"), train_records(root / "ref")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, len(b) + 1))
     for x, y in zip(a, b, strict=True):

@@ -82,3 +82,20 @@ def test_full_smollm2_preset_fits_a_dev_box_in_fp8_aux_only(smollm2_dir):
     bf16 = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"storage": "bf16"})})
     with pytest.raises(PreflightError, match="disk"):
         check(bf16, free_bytes=50 * GIB, free_mem=20 * GIB)
+
+
+def test_draft_layer_is_checked_against_the_target_before_the_run(family_dirs):
+    """An MLA draft for a target without MLA is refused by the preflight, before any stage runs; so is a Llama-layer
+    draft that vLLM's CPU engine would have to serve beside an MLA target (the eval would fail after training)."""
+    from eagle3.config import EvalConfig, TrainConfig
+
+    qwen = PipelineConfig(model=str(family_dirs["qwen3"]), train=TrainConfig(draft_layer="mla"))
+    with pytest.raises(PreflightError, match="draft_layer mla needs an MLA target"):
+        plan(qwen, free_bytes=HOST["free_bytes"], free_mem=HOST["free_mem"])
+    kimi = PipelineConfig(model=str(family_dirs["kimi-k2.5"]), trust_remote_code=True,
+                          eval=EvalConfig(backend="vllm"))
+    p = plan(kimi, free_bytes=HOST["free_bytes"], free_mem=HOST["free_mem"])
+    assert any("cannot serve a Llama-layer draft beside this MLA target" in x for x in p.problems)
+    mla = kimi.model_copy(update={"train": TrainConfig(draft_layer="mla")})
+    assert not any("Llama-layer" in x for x in plan(mla, free_bytes=HOST["free_bytes"],
+                                                    free_mem=HOST["free_mem"]).problems)

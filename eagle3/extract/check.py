@@ -103,6 +103,21 @@ def probe(sample_ids: list[str], lengths: list[int]) -> list[int]:
     return out
 
 
+def on_shard(backend, target: Target, path: str | os.PathLike, sample_ids: list[str], lengths: list[int],
+             ids_of, layer: int, storage: str) -> dict[str, Any]:
+    """The check on a few samples of the shard `backend` just wrote at `path` (`ids_of(i)`: the token ids [T] of
+    the shard's i-th sample): the result, not judged when the backend gives no reference next tokens."""
+    refs_of = getattr(backend, "references", None)
+    if refs_of is None:
+        return {"judged": False, "passed": None,
+                "why": f"the {getattr(backend, 'name', '?')} backend gives no reference next tokens"}
+    samples = [(sample_ids[i], ids_of(i)) for i in probe(sample_ids, lengths)]
+    head = Head(target)
+    refs, source = refs_of(samples, head)
+    finals = stored_finals(path, [sid for sid, _ in samples])
+    return judge(finals, refs, head, layer, source, FP8_MARGIN if storage == "fp8" else MARGIN)
+
+
 def judge(finals: dict[str, torch.Tensor], refs: dict[str, Tops], head: Head, layer: int, source: str,
           margin: float = MARGIN) -> dict[str, Any]:
     """Agreement of the stored final states with the reference choices, as the manifest records it."""

@@ -113,6 +113,7 @@ class Producer:
         self.low = 0  # train windows before this one are deleted (a killed run's leftovers: none yet)
         self.progress: Progress | None = None
         self.total = 0  # tokens of its windows, once each (a window written again counts again in tokens_done)
+        self.final_check: dict[str, Any] | None = None  # eagle3.extract.check's result on its first window
 
     @classmethod
     def open(cls, root: Path, model: Path, prepared: Path, cfg: ExtractConfig, order: Order, spool_bytes: int,
@@ -223,6 +224,8 @@ class Producer:
         writer = ShardWriter(sp, n_aux, hidden, self.cfg.storage)
         self.compute(sp, writer)
         sha = writer.write(self.spool.root)
+        if self.final_check is None:  # the final-layer check on this producer's first window, before its commit
+            self.check_final(sp)
         self.spool.commit(self.plan, w, sha)
         self.peak = max(self.peak, self.spool.bytes_on_disk())
         self.produced += 1
@@ -246,6 +249,19 @@ class Producer:
                 ids, mask = self.samples.tensors(todo[sid])
                 writer.add(sid, ids, mask, tok, h)
 
+    def check_final(self, sp: ShardPlan) -> None:
+        """eagle3.extract.check on a few samples of the window just written: a refused one is deleted before its
+        commit, and the producer stops with the layer named (the trainer then stops on the producer's failure)."""
+        from eagle3.extract import check
+
+        path = self.spool.root / sp.file
+        self.final_check = check.on_shard(self.backend, self.target, path, sp.sample_ids, sp.lengths,
+                                          lambda i: self.samples.tensors(sp.rows[i])[0], self.source.layer_ids[-1],
+                                          self.cfg.storage)
+        if self.final_check["passed"] is False:
+            path.unlink(missing_ok=True)
+            check.refuse(self.final_check, str(self.spool.root))
+
     def finish(self, fp: dict[str, Any], model: Path, seconds: float) -> SpooledStates:
         """Delete every shard (the trainer is done), write this producer's stats; the last producer to get here
         writes the manifest, with every producer's (the one returned; the others return their own share)."""
@@ -255,7 +271,7 @@ class Producer:
                  "tokens_per_second": round(self.tokens_done / seconds, 1) if seconds > 0 else None,
                  "windows_written": self.produced, "windows_written_again": self.reproduced,
                  "windows_evicted": self.evicted, "peak_spool_bytes": self.peak,
-                 "total_steps": self.plan.total_steps}
+                 "total_steps": self.plan.total_steps, "final_check": self.final_check}
         root, n = self.spool.root, self.plan.producers
         files = [root / f"{producer_name(k, n)}.stats.json" for k in range(n)]
         with self.spool.locked():  # two producers ending at once: one of them sees both shares
@@ -280,6 +296,8 @@ class Producer:
 def merged(shares: list[dict[str, Any]]) -> dict[str, Any]:
     """The spool's stats from every producer's: counts add up, the run took the longest one's time, the peak is
     the highest any producer saw; with several, each producer's own under `producers`."""
+    from eagle3.extract import check
+
     if len(shares) == 1:
         return shares[0]
     out = {k: sum(s[k] for s in shares) for k in ("tokens_produced", "windows_written", "windows_written_again",
@@ -288,7 +306,7 @@ def merged(shares: list[dict[str, Any]]) -> dict[str, Any]:
     return {**out, "seconds": seconds,
             "tokens_per_second": round(out["tokens_produced"] / seconds, 1) if seconds > 0 else None,
             "peak_spool_bytes": max(s["peak_spool_bytes"] for s in shares), "total_steps": shares[0]["total_steps"],
-            "producers": shares}
+            "final_check": check.merge([s.get("final_check") for s in shares]), "producers": shares}
 
 
 def spool_source(fp: dict[str, Any], model: Path, target: Target, layer_ids: list[int], storage: str,

@@ -538,19 +538,9 @@ class ExtractRun:
 
         if self.backend is None:  # every shard was committed by an earlier run: check one of them
             self.backend = make_backend(self.cfg, self.target, self.layer_ids, self.out, max(self.samples.length))
-        refs_of = getattr(self.backend, "references", None)
-        if refs_of is None:
-            self.final_check = {"judged": False, "why": f"the {getattr(self.backend, 'name', '?')} backend gives "
-                                                        "no reference next tokens"}
-            return
-        rows = [p.rows[i] for i in check.probe(p.sample_ids, p.lengths)]
-        samples = [(self.samples.sample_id[r], self.samples.tensors(r)[0]) for r in rows]
-        head = check.Head(self.target)
-        refs, source = refs_of(samples, head)
-        finals = check.stored_finals(self.out / p.file, [sid for sid, _ in samples])
-        fp8 = self.cfg.storage == "fp8"  # the final state stored in fp8 too
-        self.final_check = check.judge(finals, refs, head, self.layer_ids[-1], source,
-                                       check.FP8_MARGIN if fp8 else check.MARGIN)
+        self.final_check = check.on_shard(self.backend, self.target, self.out / p.file, p.sample_ids, p.lengths,
+                                          lambda i: self.samples.tensors(p.rows[i])[0], self.layer_ids[-1],
+                                          self.cfg.storage)
         if self.final_check["passed"] is False:
             for q in self.plans:
                 (self.out / q.file).unlink(missing_ok=True)
