@@ -74,7 +74,7 @@ def test_online_wall_time_is_the_longer_side_plus_one_window_not_the_sum():
     on = plan(llama(mode="online", spool_bytes=20 * GIB), free_bytes=4 << 40, free_mem=RAM)
     ex, tr = on.seconds["extract"], on.seconds["train"]
     assert ex == pytest.approx(3 * off.seconds["extract"]) and tr == pytest.approx(off.seconds["train"])
-    assert ex / 60 == pytest.approx(45.8, abs=0.1) and tr / 60 == pytest.approx(15.95, abs=0.1)
+    assert ex / 60 == pytest.approx(327.4, abs=0.1) and tr / 60 == pytest.approx(17.34, abs=0.1)
     store = 696.85 * GIB
     window = (20 - 13.906) * GIB / 2  # the spool's windows: half of what the val shard leaves
     assert on.pair_s == pytest.approx(max(ex, tr) + min(ex / 3, tr / 3) * window / store, rel=1e-4)
@@ -84,10 +84,10 @@ def test_online_wall_time_is_the_longer_side_plus_one_window_not_the_sum():
     assert off.pair_s is None and off.total_seconds() == pytest.approx(sum(off.seconds.values()))
     assert on.time_line().startswith(f"estimated wall time ~{hms(on.total_seconds())} (prepare ")
     assert f"; online, extract and train overlap: {hms(on.pair_s)} together); no time budget" in on.time_line()
-    # the time budget is judged on the pair: ~51 min online, where the stages' sum is ~67 min
-    assert sum(on.seconds.values()) > 3600 > on.total_seconds()
+    # the time budget is judged on the pair: ~5h33m online, where the stages' sum is ~5h50m
+    assert sum(on.seconds.values()) > 5.7 * 3600 > on.total_seconds()
     assert not plan(llama(mode="online", spool_bytes=20 * GIB), free_bytes=4 << 40, free_mem=RAM,
-                    max_hours=1.0).problems
+                    max_hours=5.7).problems
 
 
 def test_online_extraction_repeats_as_many_epochs_as_max_steps_reaches():
@@ -118,8 +118,8 @@ def test_online_would_be_slower_for_the_8b_presets(name):
     cfg = PipelineConfig.from_file(EX / f"{name}.yaml")
     off = plan(cfg, free_bytes=4 << 40, free_mem=RAM)
     on = plan(cfg.model_copy(update={"mode": "online", "spool_bytes": 20 * GIB}), free_bytes=4 << 40, free_mem=RAM)
-    assert on.pair_s / 60 == pytest.approx(46.5, abs=1.0)  # 3 epochs of extraction on one GPU
-    assert (off.seconds["extract"] + off.seconds["train"]) / 60 == pytest.approx(31, abs=0.5)
+    assert on.pair_s / 60 == pytest.approx(331, abs=4.0)  # 3 epochs of extraction on one GPU
+    assert (off.seconds["extract"] + off.seconds["train"]) / 60 == pytest.approx(127, abs=1.0)
 
 
 def test_kimi_online_would_share_gpus_that_have_no_room_for_the_trainer():
@@ -128,6 +128,6 @@ def test_kimi_online_would_share_gpus_that_have_no_room_for_the_trainer():
     rows = {(r["stage"], r["what"]): r for r in p.rows}
     act = rows[("train", "activation memory per rank (estimate)")]["bytes"]
     engine = cfg.gpu_memory_gib * GIB * cfg.extract.gpu_memory_utilization  # vLLM's share of each of the 8 GPUs
-    assert act / GIB == pytest.approx(44.45, abs=0.01) and engine + act > cfg.gpu_memory_gib * GIB
+    assert act / GIB == pytest.approx(40.06, abs=0.01) and engine + act > cfg.gpu_memory_gib * GIB
     assert rows[("extract", "offline store vs online spool")]["human"] == \
         "762.43 GiB offline store / 4.00 GiB spool (offline)"

@@ -1,8 +1,8 @@
 """The whole pipeline with `backend: vllm` on the real engine, then the head served as the pipeline says.
 
 One `eagle3 run` (a real embedded Prefect server, the user's command) per target: SmolLM2, and the tiny
-Kimi-K2.5 layout (VLM wrapper, MLA + MoE, slow custom tokenizer) with an MLA draft layer. Regenerate,
-extract and eval run on vLLM's CPU engine, training under torchrun. The head is trained for 15 epochs on
+Kimi-K2.5 layout (VLM wrapper, MLA + MoE, slow custom tokenizer) with an MLA draft layer. Extract and eval
+run on vLLM's CPU engine (regenerate too on SmolLM2), training under torchrun. The head is trained for 15 epochs on
 the target's own answers to 24 questions, so it has learnt them and is accepted when asked them again.
 Then the exact command the run prints under "serve it:" starts vLLM's OpenAI server with the trained
 head; chat replies through the `openai` client must equal the target's own greedy answers, and the
@@ -41,7 +41,9 @@ def vllm_run(request, smollm2_dir, family_dirs, tmp_path_factory):
     cfg = {
         "model": str(family_dirs["kimi-k2.5"] if kimi else smollm2_dir), "run_dir": str(root / "run"),
         "trust_remote_code": kimi,
-        "regenerate": {"backend": "vllm", "max_new_tokens": 32, "engine_args": ENGINE},
+        # Kimi-K2.5's answers come from the hf backend (regenerate on the engine is SmolLM2's run): one engine less
+        "regenerate": {"backend": "hf" if kimi else "vllm", "max_new_tokens": 32,
+                       "engine_args": {} if kimi else ENGINE},
         "prepare": {"data": str(data), "draft_vocab": 512, "val_fraction": 0.1},
         "extract": {"backend": "vllm", "engine_args": ENGINE},
         "train": {"ttt_steps": 3, "epochs": 15, "pack_tokens": 512, "lr": 3e-3, "warmup_steps": 5, "val_every": 1000,
@@ -68,7 +70,7 @@ def test_pipeline_runs_every_engine_stage_on_vllm(vllm_run):
     check = hidden.stats["final_check"]
     assert check["passed"] and check["source"] == "vLLM prompt_logprobs", check
     regen = json.loads((run / "regenerate" / "manifest.json").read_text())
-    assert regen["backend"] == "vllm" and regen["settings"]["dtype"] == "float32"
+    assert regen["backend"] == cfg["regenerate"]["backend"] and regen["settings"]["dtype"] == "float32"
     r = EvalReport.read(run / "eval")
     assert r.backend == "vllm" and r.lossless and r.num_drafts > 0 and 1.0 < r.acceptance_length <= 4.0
     assert "serve it: VLLM_CPU_KVCACHE_SPACE=2 " in out
