@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eagle3.form import FORM
 from eagle3.model.target import check_aux_ids
@@ -41,6 +41,40 @@ def vllm_dtype_field(why: str) -> Any:
     """The `dtype` of a stage that runs on vLLM only."""
     return Field("auto", description=f"vllm: the engine's compute dtype; auto = bf16 on a GPU, fp32 on a CPU engine "
                                      f"{why}")
+
+
+# vllm.LLM arguments eagle3 decides itself: `engine_args` may not override them (a config saying
+# trust_remote_code: false must not run remote code because an engine argument says true), with where to set each.
+RESERVED_ENGINE_ARGS = {
+    "model": "the run's `model` (--model)",
+    "tokenizer": "the run's `model` (its tokenizer files)",
+    "trust_remote_code": "the top-level `trust_remote_code` (--trust-remote-code)",
+    "dtype": "the stage's `dtype`",
+    "tensor_parallel_size": "the stage's `tensor_parallel_size`",
+    "pipeline_parallel_size": "extract's `pipeline_parallel_size`",
+    "gpu_memory_utilization": "the stage's `gpu_memory_utilization`",
+    "max_model_len": "nothing: eagle3 sizes it from the samples (prepare.max_len)",
+    "max_num_batched_tokens": "extract's `max_num_batched_tokens`",
+    "speculative_config": "nothing: eval builds it from the head it measures (`k`)",
+    "kv_transfer_config": "nothing: extraction's own hidden-state connector",
+    "enable_prefix_caching": "nothing: eagle3 sets it per stage (off in extraction, where a cached prefix dumps "
+                             "short states)",
+    "enable_chunked_prefill": "nothing: extraction needs it off",
+    "seed": "regenerate's `seed`",
+    "disable_log_stats": "nothing: eval reads the engine's spec-decode counters",
+}
+
+
+def check_engine_args(args: dict[str, Any]) -> dict[str, Any]:
+    """`engine_args` without a key eagle3 decides (RESERVED_ENGINE_ARGS); ValueError naming the field to use."""
+    bad = sorted(k for k in args if k in RESERVED_ENGINE_ARGS)
+    if bad:
+        raise ValueError("engine_args: " + "; ".join(f"{k!r} is eagle3's own: set {RESERVED_ENGINE_ARGS[k]}"
+                                                      for k in bad))
+    return args
+
+
+EngineArgs = Annotated[dict[str, Any], AfterValidator(check_engine_args)]
 
 
 def engine_args_field() -> Any:
@@ -106,7 +140,7 @@ class ExtractConfig(_Cfg):
     max_num_batched_tokens: int | None = Field(None, ge=1,
                                                description="vLLM max_num_batched_tokens; empty: vLLM's default")
     dtype: VllmDtype = vllm_dtype_field("(equal to the hf backend there to float noise)")
-    engine_args: dict[str, Any] = engine_args_field()
+    engine_args: EngineArgs = engine_args_field()
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -316,7 +350,7 @@ class EvalConfig(_Cfg):
         0.4, gt=0.0, le=1.0, description="vllm: per engine; the target-only and the speculative engine share the GPU"
     )
     dtype: VllmDtype = vllm_dtype_field("(where its drafts and acceptance equal the hf evaluator's)")
-    engine_args: dict[str, Any] = engine_args_field()
+    engine_args: EngineArgs = engine_args_field()
     threads: int | None = Field(
         None, ge=1, description="hf: torch CPU threads for decoding (batch 1, latency-bound); empty: torch's default; "
         "1 is fastest on a loaded shared CPU",
@@ -375,7 +409,7 @@ class RegenConfig(_Cfg):
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: TP size")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vllm: gpu_memory_utilization")
-    engine_args: dict[str, Any] = engine_args_field()
+    engine_args: EngineArgs = engine_args_field()
 
     def settings(self, dtype: str, max_len: int) -> dict:
         """What changes the regenerated text: part of every record's provenance and reuse key.

@@ -332,3 +332,18 @@ def test_real_engine_on_kimi_int4_experts(family_dirs, tmp_path):
     said = p.stdout + p.stderr
     assert p.returncode != 0 and INT4_REFUSED in said, said[-3000:]
     assert not (tmp_path / "v" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("key", ["trust_remote_code", "model", "tensor_parallel_size", "kv_transfer_config",
+                                 "speculative_config", "enable_prefix_caching"])
+def test_engine_args_cannot_override_what_eagle3_decides(key):
+    """`engine_args` reach vllm.LLM over eagle3's own arguments: a key eagle3 decides is refused in every stage's
+    config, naming where to set it (a config saying trust_remote_code: false must not run remote code)."""
+    from pydantic import ValidationError
+
+    from eagle3.config import EvalConfig, RegenConfig
+
+    for make in (ExtractConfig, EvalConfig, RegenConfig):
+        with pytest.raises(ValidationError, match=f"engine_args: '{key}' is eagle3's own: set "):
+            make(backend="vllm", engine_args={key: True, "enforce_eager": True})
+    assert ExtractConfig(engine_args={"enforce_eager": True, "max_num_seqs": 4}).engine_args["max_num_seqs"] == 4
