@@ -242,6 +242,9 @@ CASES: list[Case] = [
     skip_case("non_utf8_line", [], "non_utf8",
               raw=['{"conversations": [{"from": "human", "value": "caf\xe9"}]}'.encode("latin-1")]),
     skip_case("line_not_an_object", [], "not_an_object", raw=[b"[1, 2, 3]"]),
+    # nested 100,000 deep (Python's decoder recurses once per level): a counted skip, not an aborted prepare
+    skip_case("record_nested_too_deep", [], "too_deep", n=2,
+              raw=[b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000]),
     skip_case("unknown_role", [conv(("human", "hi"), ("robot", "beep"))], "unknown_role"),
     skip_case("missing_role", [{"conversations": [{"value": "hi"}, {"from": "gpt", "value": "hello"}]}],
               "unknown_role"),

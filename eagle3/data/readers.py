@@ -140,6 +140,9 @@ def iter_jsonl(path: Path) -> Iterator[Raw | Bad]:
             except json.JSONDecodeError as e:
                 yield Bad(where, "malformed_json", e.msg + f" at column {e.colno}")
                 continue
+            except RecursionError:  # Python's decoder recurses once per level: ~1,000 levels end it
+                yield Bad(where, "too_deep", TOO_DEEP)
+                continue
             if not isinstance(obj, dict):
                 yield Bad(where, "not_an_object", f"line holds a JSON {type(obj).__name__}")
                 continue
@@ -200,6 +203,17 @@ def iter_json_array(path: Path, stats: ReadStats, chunk: int = 1 << 20) -> Itera
                 return
             try:
                 obj, end = dec.raw_decode(buf, pos)
+            except RecursionError:
+                end = _value_end(buf, pos)
+                if end is None:  # its end is not read yet
+                    if more():
+                        continue
+                    stats.notes.append(f"{path.name}: record {idx} nested too deep and never closed (truncated file?)")
+                    return
+                yield Bad(f"{path.name}#{idx}", "too_deep", TOO_DEEP)
+                idx += 1
+                pos = end
+                continue
             except json.JSONDecodeError as e:
                 if more():
                     continue  # record spans the chunk boundary: read on
@@ -228,6 +242,33 @@ def iter_json_array(path: Path, stats: ReadStats, chunk: int = 1 << 20) -> Itera
                 yield Raw(_rid(obj, where), obj)
 
 
+TOO_DEEP = "nested deeper than the JSON decoder goes (~1,000 levels): no conversation is built that way"
+
+
+def _value_end(buf: str, i: int) -> int | None:
+    """End of the JSON array or object starting at buf[i] (strings and escapes skipped, no recursion); None when the
+    buffer ends first."""
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(buf)):
+        c = buf[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
 def _resync(dec: json.JSONDecoder, buf: str, start: int) -> int | None:
     """Position of the next '{' after `start` that parses as a conversation record."""
     i = buf.find("{", start + 1)
@@ -236,7 +277,7 @@ def _resync(dec: json.JSONDecoder, buf: str, start: int) -> int | None:
             obj, _ = dec.raw_decode(buf, i)
             if isinstance(obj, dict) and ("conversations" in obj or "messages" in obj):
                 return i
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
         i = buf.find("{", i + 1)
     return None
