@@ -14,7 +14,7 @@ from pathlib import Path
 
 from eagle3.flags import UserError
 from eagle3.stage import Command
-from eagle3.storage.hashing import sha256_file_cached
+from eagle3.storage.hashing import sha256_file_cached, sha256_json
 
 
 @dataclass
@@ -43,9 +43,39 @@ def _files(kind: str, d: Path, m: dict) -> list[tuple[Path, str]]:
     return out
 
 
+def read_manifest(d: Path) -> tuple[str, dict | None, str | None]:
+    """(kind, the manifest as its typed class validated and dumped, None) or (kind, None, why it is not one)."""
+    from eagle3.storage.manifests import StageManifest
+
+    path = d / "manifest.json"
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return "?", None, f"{path}: not valid JSON ({e})"
+    if not isinstance(data, dict):
+        return "?", None, f"{path}: a JSON {type(data).__name__}, not a manifest (a JSON object)"
+    kinds = StageManifest.kinds()
+    kind = data.get("kind")
+    if kind not in kinds:
+        return str(kind), None, f"{path}: kind {kind!r} is no stage's (one of {', '.join(sorted(kinds))})"
+    try:
+        man = kinds[kind].read(d)
+    except ValueError as e:  # a wrong version, a wrong type
+        return kind, None, " ".join(str(e).split())[:400]
+    # Every field has a default, so a manifest missing keys still parses: its sealed fingerprint, over its whole
+    # content, is what tells a manifest eagle3 wrote from one edited or written by hand.
+    if man.fingerprint != sha256_json(man._content()):
+        return kind, None, (f"{path}: its fingerprint does not match its content (keys missing or edited; "
+                            "not as eagle3 wrote it): rerun the stage")
+    return kind, man.model_dump(mode="json"), None
+
+
 def verify_dir(d: Path, deep: bool = False) -> Finding:
-    m = json.loads((d / "manifest.json").read_text())
-    f = Finding(d, m.get("kind", "?"))
+    kind, m, why = read_manifest(d)
+    f = Finding(d, kind)
+    if m is None:
+        f.bad.append(why)
+        return f
     for path, digest in _files(f.kind, d, m):
         f.checked += 1
         if not path.is_file():
@@ -76,21 +106,21 @@ def verify_tree(root: str | Path, deep: bool = False) -> list[Finding]:
     return [verify_dir(d, deep) for d in dirs]
 
 
-def report(root: str | Path, deep: bool, emit) -> int:
+def report(root: str | Path, deep: bool, emit) -> list[str]:
     """`eagle3 verify`'s output, a line per stage dir and one per bad file, through `emit`; returns the
-    number of bad files."""
-    bad = 0
+    problems found (bad files, manifests that are not eagle3's)."""
+    bad: list[str] = []
     for f in verify_tree(root, deep=deep):
         emit(f"{'OK ' if not f.bad else 'BAD'} {f.kind:<9} {f.stage_dir} ({f.checked} files checked)")
         for b in f.bad:
             emit(f"    {b}")
-        bad += len(f.bad)
+        bad += f.bad
     return bad
 
 
 def _main(a) -> None:
     if bad := report(a.dir, a.deep, print):
-        raise UserError(f"{bad} problem(s) found under {a.dir}")
+        raise UserError(f"{len(bad)} problem(s) found under {a.dir}; the first: {bad[0]}")
 
 
 COMMAND = Command(

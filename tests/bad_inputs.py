@@ -230,6 +230,13 @@ def run_cmd(w: Path, b: Base, text: str) -> list[str]:
     return ["run", "--config", str(config_file(w, text)), "--dry-run"]
 
 
+def manifest_dir(w: Path, text: str) -> list[str]:
+    """`eagle3 verify` on a stage dir whose manifest.json holds `text`."""
+    (w / "stage").mkdir(parents=True, exist_ok=True)
+    (w / "stage" / "manifest.json").write_text(text)
+    return ["verify", str(w)]
+
+
 def parquet_wrong_columns(w: Path, b: Base) -> list[str]:
     w.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"text": ["a", "b"], "label": [1, 0]}), w / "in.parquet")
@@ -356,6 +363,12 @@ CASES: list[Case] = [
          lambda w, b: ["eval", "--model", str(b.model), "--draft", str(b.ver), "--k", "0", "--out", str(w / "out")],
          r"\bk\b"),
     Case("verify_missing_dir", "verify", lambda w, b: ["verify", str(w / "nothing")], r"nothing does not exist"),
+    Case("verify_manifest_empty_object", "verify", lambda w, b: manifest_dir(w, "{}"),
+         r"manifest\.json: kind None is no stage's"),
+    Case("verify_manifest_a_list", "verify", lambda w, b: manifest_dir(w, "[]"),
+         r"manifest\.json: a JSON list, not a manifest"),
+    Case("verify_manifest_keys_missing", "verify", lambda w, b: manifest_dir(w, '{"kind": "extract", "version": 1}'),
+         r"manifest\.json: its fingerprint does not match its content"),
 ]
 
 

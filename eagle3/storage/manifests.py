@@ -67,7 +67,12 @@ class StageManifest(BaseModel):
         path = Path(out_dir) / MANIFEST
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no {cls.stage} manifest (has the {cls.stage} stage finished?)")
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a JSON {type(data).__name__}, not a manifest (a JSON object)")
         if data.get("kind") != cls.stage:
             raise ValueError(f"{path}: is a {data.get('kind')!r} manifest, expected {cls.stage!r}")
         if data.get("version") != cls.format_version:
@@ -76,6 +81,16 @@ class StageManifest(BaseModel):
                 f"{cls.format_version}; rerun the {cls.stage} stage"
             )
         return cls.model_validate(data)
+
+    @classmethod
+    def kinds(cls) -> dict[str, type["StageManifest"]]:
+        """Every stage manifest class by its `kind`."""
+        out, todo = {}, list(cls.__subclasses__())
+        while todo:
+            c = todo.pop()
+            out[c.stage] = c
+            todo += c.__subclasses__()
+        return out
 
     @classmethod
     def exists(cls, out_dir: str | Path) -> bool:
