@@ -6,14 +6,14 @@ import threading
 import time
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from eagle3.config import ExtractConfig, TrainConfig
 from eagle3.extract import run_extract
 from eagle3.runtime.progress import Meter
 from eagle3.storage.manifests import HiddenRange, HiddenStates, SpooledStates
-from tasks._cache import content_policy, stage_task
+from tasks._cache import cached_task, content_policy, stage_task
 from tasks._faults import fail_once
 from tasks._gpus import cuda_devices, gpu_slots, hold_gpus
 from tasks._online import PartnerGone, partner_gone, producer_inputs, retry_unless_gone
@@ -98,8 +98,8 @@ def _range_key(i: dict[str, Any]) -> dict[str, Any]:
                            cfg.workers)}
 
 
-@task(name="extract-range", task_run_name="extract {part}", cache_policy=content_policy("extract-range", _range_key),
-      retries=2, retry_delay_seconds=10)
+@cached_task(name="extract-range", task_run_name="extract {part}",
+             cache_policy=content_policy("extract-range", _range_key), retries=2, retry_delay_seconds=10)
 def extract_range_task(model: str, prepared: str, out: str, cfg: ExtractConfig, part: int,
                        reuse: list[str] | None = None, trust_remote_code: bool = False,
                        devices: list[str] | None = None) -> HiddenRange:
@@ -232,8 +232,8 @@ class Pace:
         self._thread.join()
 
 
-@task(name="produce", task_run_name="produce", cache_policy=content_policy("produce", _produce_key), retries=2,
-      retry_delay_seconds=10, retry_condition_fn=retry_unless_gone)
+@cached_task(name="produce", task_run_name="produce", cache_policy=content_policy("produce", _produce_key), retries=2,
+             retry_delay_seconds=10, retry_condition_fn=retry_unless_gone)
 def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
                  wait_s: float = 900.0, trust_remote_code: bool = False,
                  devices: list[str] | None = None, part: int | None = None) -> SpooledStates:

@@ -1,6 +1,7 @@
 """The pipeline flow under a real (test-harness) Prefect server: every stage, content-keyed caching."""
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 
@@ -71,6 +72,7 @@ def test_all_stages_cached_then_edited_input_reruns(tiny_cfg, prefect_env):
     cached = run(cfg)
     assert task_states(cached) == dict.fromkeys(STAGES, "Cached")
     assert {r["how"] for r in run_times(cached)} == {"cached (inputs unchanged)"}
+    distrusted_results_recompute(cfg, prefect_env / "storage")
     # Same path, new content: the content key changes, so prepare and what depends on it rerun.
     src.write_text("\n".join(json.dumps(r) for r in rows[:-1]))
     states = task_states(run(cfg))
@@ -87,6 +89,39 @@ def test_all_stages_cached_then_edited_input_reruns(tiny_cfg, prefect_env):
     assert states["eval"] == "Completed" and states["train"] == "Cached"
     report = json.loads((cfg.stage_dir("eval") / "report.json").read_text())
     assert report["lossless"] is True and 1.0 <= report["acceptance_length"] <= 3.0
+
+
+def fingerprints(cfg) -> dict[str, str]:
+    return {s: json.loads((cfg.stage_dir(s) / "manifest.json").read_text())["fingerprint"] for s in STAGES}
+
+
+def distrusted_results_recompute(cfg, storage):
+    """Prefect's result records hold JSON manifests, never a pickle. A record replaced by a pickle payload (in
+    Prefect's own record format, naming the pickle serializer) is never unpickled, and a truncated one is not a
+    failure: either way every stage runs again, finds its finished output, and the records are rewritten."""
+    import cloudpickle
+    from bad_inputs import _RunsCode
+
+    records = sorted(p for p in storage.iterdir() if p.is_file())
+    assert len(records) == len(STAGES)
+    for p in records:
+        rec = json.loads(p.read_text())
+        assert rec["metadata"]["serializer"] == {"type": "eagle3-manifest"}
+        assert json.loads(rec["result"])["kind"] in STAGES
+    before, marker = fingerprints(cfg), storage.parent / "code-ran"
+    payload = base64.b64encode(cloudpickle.dumps(_RunsCode(marker))).decode()
+    for planted in ("pickle", "truncated"):
+        for p in records:
+            rec = json.loads(p.read_text())
+            if planted == "pickle":
+                rec["metadata"]["serializer"] = {"type": "pickle", "picklelib": "cloudpickle"}
+                rec["result"] = payload
+                p.write_text(json.dumps(rec))
+            else:
+                p.write_bytes(p.read_bytes()[:50])
+        assert task_states(run(cfg)) == dict.fromkeys(STAGES, "Completed"), planted
+        assert not marker.exists() and fingerprints(cfg) == before
+    assert task_states(run(cfg)) == dict.fromkeys(STAGES, "Cached")
 
 
 def test_pipeline_config_validates():
