@@ -60,6 +60,7 @@ def build_parser():
     p.add_argument("--config", required=True, help="PipelineConfig as YAML or JSON")
     p.add_argument("--run-dir", default=None, help="override the config's run_dir")
     p.add_argument("--dry-run", action="store_true", help="print the preflight estimate (disk, memory) and exit")
+    p.add_argument(cli.DEBUG[0], **cli.DEBUG[1])
     p.set_defaults(func=_run)
     return ap
 

@@ -33,6 +33,7 @@ from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, RegenConfig,
 from eagle3.registry import STAGES as LIBRARY
 from eagle3.runtime.heap import PeakRSS
 from eagle3.runtime.progress import hms
+from eagle3.runtime.stop import on_unwind
 from eagle3.storage.manifests import (
     EvalReport,
     HiddenRange,
@@ -196,8 +197,9 @@ def wait_all(name: str, futures: list, labels: list[str]) -> list:
     task fails and retries, and they meet again at the rendezvous (eagle3/train/launch.py), resuming from the
     last checkpoint; they share one cache key (a finished run's are all cached). Ranges: each retries alone and
     resumes; the finished ones are kept."""
-    for f in futures:
-        f.wait()
+    with on_unwind():  # a stop here also stops the tasks' children on their threads
+        for f in futures:
+            f.wait()
     states = [f.state for f in futures]
     failed = [(lb, s) for lb, s in zip(labels, states, strict=True) if not s.is_completed()]
     if failed:
@@ -310,8 +312,9 @@ def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract
         futures = {label: hop_task(stage, label).submit(label, f"eagle3-{stage}/{stage}-{suffix}", as_params(args),
                                                         jobs)
                    for label, (stage, args) in sides.items()}
-        for f in futures.values():
-            f.wait()
+        with on_unwind():
+            for f in futures.values():
+                f.wait()
         mem = ""  # each side ran in its deployment's process
     else:
         log.info("%s + train (online): started side by side; spool %s (cap %s bytes), output %s", what, spool,
@@ -322,8 +325,9 @@ def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract
             for (label, (stage, args)), d in zip(sides.items(), devices, strict=True):
                 t = TABLE[stage].task.with_options(task_run_name=label)
                 futures[label] = (t.with_options(refresh_cache=True) if rerun else t).submit(**args, devices=d)
-            for f in futures.values():
-                f.wait()
+            with on_unwind():  # a stop here also stops the trainer's torchrun on its thread
+                for f in futures.values():
+                    f.wait()
         mem = f", {peak.line()}"
     failed = [(label, f.state) for label, f in futures.items() if not f.state.is_completed()]
     if failed:  # the side that failed first is the cause; the others' PartnerGone follows from it

@@ -8,7 +8,6 @@ import base64
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from eagle3.config import TrainConfig
 from eagle3.eval.replay import replay_set_dir
+from eagle3.runtime.stop import run_child
 from eagle3.storage.hashing import sha256_file
 from eagle3.storage.manifests import HiddenStates, TrainedDraft, VerifierWeights
 from eagle3.storage.spool import PRODUCER_BEAT, wait_source
@@ -72,24 +72,25 @@ def build_replay(model: str, prepared: str, aux_ids: list[int], cfg: TrainConfig
     return str(d)
 
 
-def run_streamed(cmd: list[str], log, env: dict[str, str] | None = None) -> str:
+def run_streamed(cmd: list[str], log, env: dict[str, str] | None = None, writes: tuple[str, ...] = ()) -> str:
     """Run `cmd` (in `env`, default this process's), every output line to the Prefect logger; raise on a
-    non-zero exit (so retries apply). Returns the last output line."""
+    non-zero exit (so retries apply). Returns the last output line. A stop ends it (`run_child`; `writes`: the
+    dirs it writes)."""
     log.info("$ %s", shlex.join(cmd))
     last = ""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                          env=env) as p:
-        for line in p.stdout:
-            line = line.rstrip()
-            last = line or last
-            if line and "\r" not in line:
-                log.info(line)
-            elif line:
-                log.info(line.split("\r")[-1])  # progress bars: keep the latest state only
-    if p.returncode == 2:
+
+    def line(text: str) -> None:
+        nonlocal last
+        text = text.rstrip().split("\r")[-1]  # progress bars: keep the latest state only
+        if text:
+            last = text
+            log.info(text)
+
+    rc = run_child(cmd, line, env, writes)  # a stop of this process (or of its flow's main thread) ends its tree
+    if rc == 2:
         raise UserInputError(f"refused its input (status 2; see the log): {shlex.join(cmd)}")
-    if p.returncode:
-        raise RuntimeError(f"exited with status {p.returncode}: {shlex.join(cmd)}")
+    if rc:
+        raise RuntimeError(f"exited with status {rc}: {shlex.join(cmd)}")
     return last
 
 
@@ -173,7 +174,8 @@ def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_
                 # the stage dir follows its inputs: checkpoints of other inputs are stale, not a conflict
                 run_streamed(command(hidden, verifier, out, cfg, verifier_name, restart_on_mismatch=True,
                                      replay=replay, online=online is not None,
-                                     wait_s=online.wait_s if online else 900.0, node_rank=node_rank), log, env)
+                                     wait_s=online.wait_s if online else 900.0, node_rank=node_rank), log, env,
+                             writes=(out,))
         except UserInputError:
             raise
         except RuntimeError as e:

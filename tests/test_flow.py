@@ -100,6 +100,7 @@ def distrusted_results_recompute(cfg, storage):
     Prefect's own record format, naming the pickle serializer) is never unpickled, and a truncated one is not a
     failure: either way every stage runs again, finds its finished output, and the records are rewritten."""
     import cloudpickle
+
     from bad_inputs import _RunsCode
 
     records = sorted(p for p in storage.iterdir() if p.is_file())

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from eagle3.runtime import stop
 from eagle3.storage.faults import point
 
 _CHUNK = 1 << 20
@@ -84,13 +85,15 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(tmp)
     try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; the final file gets the usual mode
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        point("file.written", final)
-        os.replace(tmp, final)
+        with stop.temp(tmp):  # a second Ctrl-C removes it before exiting
+            yield tmp
+            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; the final file gets the usual mode
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            point("file.written", final)
+            os.replace(tmp, final)
         fsync_dir(final.parent)
+        stop.committed(final)
         point("file.renamed", final)
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
@@ -112,17 +115,19 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
-        yield tmp
-        tmp.chmod(0o777 & ~_UMASK)
-        point("dir.written", final)
-        if final.exists() and _exchange(tmp, final):
-            point("dir.renamed", final)
+        with stop.temp(tmp):  # a second Ctrl-C removes it before exiting
+            yield tmp
+            tmp.chmod(0o777 & ~_UMASK)
+            point("dir.written", final)
+            swapped = final.exists() and _exchange(tmp, final)
+            if not swapped:
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp.rename(final)
+        stop.committed(final)
+        point("dir.renamed", final)
+        if swapped:
             shutil.rmtree(tmp)  # now the old dir
-        else:
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            point("dir.renamed", final)
         fsync_dir(final.parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

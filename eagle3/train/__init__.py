@@ -6,10 +6,9 @@ One process trains in the calling process; several go through torchrun (launch.p
 """
 from __future__ import annotations
 
-import subprocess
-
 from eagle3.config import TrainConfig
 from eagle3.flags import UserError
+from eagle3.runtime.stop import run_child
 from eagle3.stage import Stage
 from eagle3.storage.manifests import TrainedDraft
 from eagle3.train.launch import check_node, command, finished, run_rank
@@ -28,7 +27,8 @@ def _run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", re
         run_rank(cfg, out, hidden=hidden, verifier=verifier, **kw)
     elif cfg.nnodes > 1 and (done := finished(hidden, verifier, out, cfg, replay, online)) is not None:
         return done  # the peers would never come to the rendezvous
-    elif rc := subprocess.call(command(hidden, verifier, out, cfg, **kw, node_rank=node_rank)):
+    # torchrun under run_child: a stop of this command ends every rank
+    elif rc := run_child(command(hidden, verifier, out, cfg, **kw, node_rank=node_rank), writes=(out,)):
         raise UserError(f"torchrun exited with status {rc}" + (f" on node {node_rank} of {cfg.nnodes} (a peer's "
                         "failure ends every node's torchrun: see the first error of each node's log)"
                         if cfg.nnodes > 1 else ""))

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from eagle3.runtime import stop
 from eagle3.storage.lock import LockedError
 from eagle3.train import STAGE
 from eagle3.train.launch import run_rank
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     STAGE.add_to(p)
     a = p.parse_args(argv)
+    stop.install()  # torchrun passes a stop on as SIGTERM: unwind, leaving no temp file and the lock released
     try:
         args = STAGE.args(a)
         args.pop("node_rank")  # `eagle3 train`'s: torchrun gives this process its RANK
@@ -25,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, LockedError) as e:
         print(f"eagle3 train (rank {int(os.environ.get('RANK', '0'))}): error: {e}", file=sys.stderr)
         return 2
+    except (stop.Stopped, KeyboardInterrupt) as e:
+        print(f"eagle3 train (rank {int(os.environ.get('RANK', '0'))}): {stop.message(e)}", file=sys.stderr)
+        return stop.exit_code(e)
     return 0
 
 
