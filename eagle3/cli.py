@@ -44,11 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     a = (parser or build_parser()).parse_args(argv)
     debug = getattr(a, "debug", False) or bool(os.environ.get("EAGLE3_DEBUG"))
-    stop.install()
     try:
         # One writer per output dir: a second command on the same dir fails at once, naming the holder.
         out = getattr(a, "out", None) if getattr(COMMANDS.get(a.cmd), "locked", False) else None
-        with stop.on_unwind(), RunLock(out) if out else contextlib.nullcontext():
+        with stop.handled(), stop.on_unwind(), RunLock(out) if out else contextlib.nullcontext():
             a.func(a)
     except (stop.Stopped, KeyboardInterrupt) as e:
         print(f"eagle3 {a.cmd}: {stop.message(e)}", file=sys.stderr)

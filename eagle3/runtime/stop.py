@@ -41,10 +41,16 @@ class Stopped(BaseException):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
-def install() -> None:
-    """Stop cleanly on SIGINT and SIGTERM in this process (the main thread of a command or a rank)."""
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _on_signal)
+@contextlib.contextmanager
+def handled() -> Iterator[None]:
+    """Stop cleanly on SIGINT and SIGTERM while in this block (the main thread of a command or a rank); the
+    handlers before it are restored after."""
+    before = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def _on_signal(signum: int, frame) -> None:

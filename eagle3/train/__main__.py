@@ -19,11 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     STAGE.add_to(p)
     a = p.parse_args(argv)
-    stop.install()  # torchrun passes a stop on as SIGTERM: unwind, leaving no temp file and the lock released
     try:
         args = STAGE.args(a)
         args.pop("node_rank")  # `eagle3 train`'s: torchrun gives this process its RANK
-        run_rank(STAGE.cfg(a), a.out, **args)
+        with stop.handled():  # torchrun passes a stop on as SIGTERM: unwind, no temp file left, the lock released
+            run_rank(STAGE.cfg(a), a.out, **args)
     except (ValueError, FileNotFoundError, LockedError) as e:
         print(f"eagle3 train (rank {int(os.environ.get('RANK', '0'))}): error: {e}", file=sys.stderr)
         return 2
