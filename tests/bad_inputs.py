@@ -132,6 +132,25 @@ def prep_variant(w: Path, b: Base, edit: Callable[[Path], None]) -> Path:
     return p
 
 
+def token_id_past_vocab(p: Path) -> None:
+    """Sample 0 of the first train shard holds an id the target has no embedding row for; the manifest's
+    checksum is made to match (as a prepare with another tokenizer would have written it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3.storage.hashing import sha256_file
+
+    f = p / "train-00000.parquet"
+    t = pq.read_table(f)
+    ids = t["input_ids"].to_pylist()
+    ids[0][1] = 10**6
+    pq.write_table(t.set_column(t.schema.get_field_index("input_ids"), "input_ids",
+                                pa.array(ids, type=t.schema.field("input_ids").type)), f)
+    m = json.loads((p / "manifest.json").read_text())
+    m["splits"]["train"][0]["sha256"] = sha256_file(f)
+    (p / "manifest.json").write_text(json.dumps(m))
+
+
 def d2t_mismatch(w: Path, b: Base) -> list[str]:
     from eagle3.storage.hashing import sha256_file
     from eagle3.storage.manifests import PreparedData
@@ -164,6 +183,22 @@ def hid_variant(w: Path, b: Base, edit: Callable[[Path], None]) -> Path:
 def train_cmd(w: Path, b: Base, *flags: str, hid: Path | None = None, ver: Path | None = None) -> list[str]:
     return ["train", "--hidden", str(hid or b.hid), "--verifier", str(ver or b.ver), "--out", str(w / "out"),
             "--max-steps", "1", "--ttt-steps", "2", "--pack-tokens", "128", "--threads", "1", *flags]
+
+
+def index_offset_past_shard(h: Path) -> None:
+    """The store's index with record 1's offset moved past its shard's end, and the manifest's index checksum
+    made to match (so only the offset check can catch it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3.storage.hashing import sha256_file
+
+    tab = pq.read_table(h / "index.parquet").to_pydict()
+    tab["offset"][1] = 10**6
+    pq.write_table(pa.table(tab), h / "index.parquet")
+    m = json.loads((h / "manifest.json").read_text())
+    m["index_sha256"] = sha256_file(h / "index.parquet")
+    (h / "manifest.json").write_text(json.dumps(m))
 
 
 def foreign_checkpoint(w: Path, b: Base) -> list[str]:
@@ -312,6 +347,10 @@ CASES: list[Case] = [
          lambda w, b: ["extract", "--model", str(b.model), "--out", str(w / "out"), "--aux-layers", AUX, "--prepared",
                        str(prep_variant(w, b, lambda p: corrupt(p / "train-00000.parquet")))],
          r"train-00000\.parquet: sha256 does not match"),
+    Case("prepared_token_id_past_vocab", "extract",
+         lambda w, b: ["extract", "--model", str(b.model), "--out", str(w / "out"), "--aux-layers", AUX, "--prepared",
+                       str(prep_variant(w, b, token_id_past_vocab))],
+         r"train-00000\.parquet: sample .*: token id 1000000 is outside the target's \d+ embedding rows"),
     Case("model_without_weights", "extract",
          lambda w, b: ["extract", "--model", str(model_copy(w, b, drop=("*.safetensors",))), "--prepared", str(b.prep),
                        "--out", str(w / "out"), "--aux-layers", AUX], r"model: no weight files"),
@@ -341,6 +380,12 @@ CASES: list[Case] = [
              w, b, lambda h: (h / "shards/train-00000.safetensors").write_bytes(
                  (h / "shards/train-00000.safetensors").read_bytes()[:1000]))),
          r"train-00000\.safetensors: truncated"),
+    Case("hidden_state_index_edited", "train",
+         lambda w, b: train_cmd(w, b, hid=hid_variant(w, b, lambda h: corrupt(h / "index.parquet"))),
+         r"index\.parquet: checksum does not match the manifest's index_sha256"),
+    Case("hidden_state_index_offset_past_shard", "train",
+         lambda w, b: train_cmd(w, b, hid=hid_variant(w, b, index_offset_past_shard)),
+         r"index\.parquet: record 1 \(sample '.*'\): tokens 1000000\.\.1000000\+\d+ lie outside shard 0"),
     Case("train_negative_pack_tokens", "train", lambda w, b: train_cmd(w, b, "--pack-tokens", "-5"), r"pack_tokens"),
     Case("train_config_unknown_key", "train",
          lambda w, b: train_cmd(w, b, "--config", str(config_file(w, "train:\n  ttt_stepz: 3\n"))), r"ttt_stepz"),

@@ -123,7 +123,7 @@ class Producer:
         the trainer's position), clear this producer's reservation and temp files of a killed run."""
         prep = PreparedData.read(prepared)
         target = Target.open(model, trust_remote_code)
-        samples = load_samples(prepared, prep, cfg.splits)
+        samples = load_samples(prepared, prep, cfg.splits, target.vocab_rows)
         if "train" not in samples.split:
             raise ValueError(f"{prepared}: no train samples to produce (splits {cfg.splits})")
         if cfg.backend == "vllm":

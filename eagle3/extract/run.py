@@ -81,7 +81,11 @@ class Samples:
         return ids, mask
 
 
-def load_samples(prepared_dir: str | Path, prep: PreparedData, splits: Sequence[str]) -> Samples:
+def load_samples(prepared_dir: str | Path, prep: PreparedData, splits: Sequence[str],
+                 rows: int | None = None) -> Samples:
+    """The prepared samples of `splits`, each shard checked against its checksum, each sample's ids against its
+    mask and, given the target's embedding `rows`, every id against them: an id the target has no row for
+    would fail deep in its forward pass (or read another row on an engine), so it is refused here, by record."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -102,6 +106,15 @@ def load_samples(prepared_dir: str | Path, prep: PreparedData, splits: Sequence[
             for sid, a, b in zip(sids, n_ids, n_mask, strict=True):
                 if not a or a != b:
                     raise ValueError(f"{path}: sample {sid}: {a} input ids but {b} loss-mask values")
+            if rows is not None and t.num_rows:
+                lo, hi = pc.min_max(pc.list_flatten(t["input_ids"])).values()
+                if lo.as_py() < 0 or hi.as_py() >= rows:
+                    bad = next(i for i, ids in enumerate(t["input_ids"].to_pylist())
+                               if min(ids) < 0 or max(ids) >= rows)
+                    ids = t["input_ids"][bad].as_py()
+                    tok = next(x for x in ids if x < 0 or x >= rows)
+                    raise ValueError(f"{path}: sample {sids[bad]}: token id {tok} is outside the target's {rows} "
+                                     "embedding rows (prepared with another tokenizer or model?)")
             s.split += [split] * t.num_rows
             s.sample_id += sids
             s.input_ids += list(t["input_ids"])
@@ -244,7 +257,7 @@ def _extract_whole(model: Path, prepared: Path, out: Path, cfg: ExtractConfig, r
 
 
 def _samples(prepared: Path, cfg: ExtractConfig, target: Target) -> Samples:
-    samples = load_samples(prepared, PreparedData.read(prepared), cfg.splits)
+    samples = load_samples(prepared, PreparedData.read(prepared), cfg.splits, target.vocab_rows)
     if cfg.backend == "vllm":
         check_engine_length(samples, target.max_position_embeddings)
     return samples

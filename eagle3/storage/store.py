@@ -288,13 +288,11 @@ class HiddenStateStore(Sequence):
     """
 
     def __init__(self, root: str | os.PathLike, split: str | None = None):
-        import pyarrow.parquet as pq
-
         from eagle3.storage.manifests import HiddenStates
 
         self.root = Path(root)
         self.manifest = HiddenStates.read(self.root)
-        tab = pq.read_table(self.root / self.manifest.index_file).to_pydict()
+        tab = read_index(self.root, self.manifest)
         keep = [i for i, s in enumerate(tab["split"]) if split is None or s == split]
         if split is not None and split not in self.manifest.splits:
             raise ValueError(f"{self.root}: no split {split!r} (have {sorted(self.manifest.splits)})")
@@ -341,6 +339,43 @@ class HiddenStateStore(Sequence):
         if not 0 <= i < len(self):
             raise IndexError(i)
         return as_sample(self.sample_ids[i], self.raw(i))
+
+
+INDEX_COLUMNS = ("sample_id", "split", "shard", "offset", "length")
+
+
+def read_index(root: Path, m) -> dict[str, list]:
+    """The store's index as columns, checked before any of it is used: its checksum against the manifest's
+    (hashed once per host and file identity), its columns, and each record's shard, offset and length against
+    the manifest's shards, so a wrong offset is an error naming the record instead of a silent wrong slice."""
+    import pyarrow.parquet as pq
+
+    path = root / m.index_file
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the store's index is missing; rerun `eagle3 extract` with the same "
+                                "arguments")
+    if m.index_sha256 and sha256_file_cached(path) != m.index_sha256:
+        raise ValueError(f"{path}: checksum does not match the manifest's index_sha256 (the index was changed "
+                         "or damaged); rerun `eagle3 extract` with the same arguments")
+    try:
+        tab = pq.read_table(path).to_pydict()
+    except Exception as e:  # pyarrow's errors are of many kinds: any of them means an unreadable index
+        raise ValueError(f"{path}: not a readable Parquet index ({type(e).__name__}: {e})") from None
+    missing = [c for c in INDEX_COLUMNS if c not in tab]
+    if missing:
+        raise ValueError(f"{path}: no column {', '.join(missing)}")
+    if len(tab["sample_id"]) != m.num_samples:
+        raise ValueError(f"{path}: {len(tab['sample_id'])} records, the manifest counts {m.num_samples}")
+    for i, (sid, k, off, n) in enumerate(zip(tab["sample_id"], tab["shard"], tab["offset"], tab["length"],
+                                             strict=True)):
+        if not (isinstance(k, int) and 0 <= k < len(m.shards)):
+            raise ValueError(f"{path}: record {i} (sample {sid!r}): shard {k!r} is not one of the manifest's "
+                             f"{len(m.shards)} shards")
+        total = m.shards[k].num_tokens
+        if not (isinstance(off, int) and isinstance(n, int) and off >= 0 and n > 0 and off + n <= total):
+            raise ValueError(f"{path}: record {i} (sample {sid!r}): tokens {off!r}..{off!r}+{n!r} lie outside "
+                             f"shard {k} ({m.shards[k].file}: {total} tokens)")
+    return tab
 
 
 def as_sample(sample_id: str, r: dict[str, torch.Tensor]) -> dict[str, Any]:
