@@ -344,3 +344,132 @@ def extract_disk_preflight(x: Inputs, work: Path, fraction: float = 0.4) -> dict
     err = [ln for ln in r.stderr.splitlines() if "error" in ln.lower() or "Traceback" in ln]
     return {"exit": r.returncode, "message": "\n".join(err), "files_written": r.stdout.split(),
             "out": str(disk / "out")}
+
+
+# ---------------------------------------------------------------- the other writing stages
+# Each stage's command into `out` (and, for eval, its replay cache in `cache`), on the drill's inputs.
+def stage_cmd(stage: str, x: Inputs, out: Path, cache: Path | None = None) -> list[str]:
+    if stage == "prepare":  # 4 train shards of 8 samples, so kills land between shard commits
+        return ["prepare", "--model", str(x.model), "--data", "sharegpt", "--limit", "30", "--max-len", "96",
+                "--val-fraction", "0.15", "--draft-vocab", "256", "--shard-samples", "8", "--out", str(out)]
+    if stage == "verifier":
+        return ["verifier", "--model", str(x.model), "--prepared", str(x.prep), "--out", str(out)]
+    if stage == "regenerate":  # 3 chunks of 2 records
+        return ["regenerate", "--model", str(x.model), "--data", "sharegpt", "--limit", "6", "--max-new-tokens", "12",
+                "--chunk-records", "2", "--threads", "1", "--out", str(out)]
+    if stage == "eval":  # replay: the target's answers, then its aux states, then the draft's pass and the report
+        return ["eval", "--model", str(x.model), "--draft", str(x.train / "final"), "--prompts", str(x.prep),
+                "--limit", "4", "--max-new-tokens", "12", "--k", "2", "--mode", "replay", "--threads", "1",
+                "--replay-cache", str(cache or out.parent / f"{out.name}-cache"), "--out", str(out)]
+    raise ValueError(stage)
+
+
+# Kill points inside each stage's own writes: a file complete but not renamed, renamed but not recorded, and the
+# manifest's own write.
+STAGE_POINTS = {
+    "prepare": ["file.written@train-:2", "file.renamed@train-:2", "file.written@manifest.json:1"],
+    "verifier": ["file.written@verifier.safetensors:1", "file.renamed@verifier.safetensors:1",
+                 "file.written@manifest.json:1"],
+    "regenerate": ["file.written@progress.json:2", "file.renamed@progress.json:3", "file.written@manifest.json:1"],
+    "eval": ["dir.written@cache:1", "file.written@cache:1", "file.written@samples.jsonl:1",
+             "file.written@report.json:1"],
+}
+
+
+def fingerprint(out: Path) -> str:
+    return json.loads((out / "manifest.json").read_text())["fingerprint"]
+
+
+def stage_reference(stage: str, x: Inputs, root: Path) -> str:
+    """The uninterrupted run's manifest fingerprint (content only: no path, no time)."""
+    r = cli(stage_cmd(stage, x, root / f"{stage}-ref"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return fingerprint(root / f"{stage}-ref")
+
+
+def stage_kill_drill(stage: str, spec: str, x: Inputs, out: Path, ref: str) -> Drill:
+    """SIGKILL `stage` at `spec`, rerun it, compare its manifest's fingerprint with the uninterrupted run's."""
+    cmd, d = stage_cmd(stage, x, out), Drill(stage, spec)
+    first = cli(cmd, {"EAGLE3_KILL_AT": spec})
+    d.killed = first.returncode == -signal.SIGKILL
+    if not d.killed:
+        d.detail = f"not killed (exit {first.returncode}): {first.stderr[-300:]}"
+        return d
+    again = cli(cmd)
+    d.recovered = again.returncode == 0 and not leftovers(out) and not leftovers(out.parent / f"{out.name}-cache")
+    if not d.recovered:
+        d.detail = f"rerun exit {again.returncode}, leftovers {leftovers(out)[:3]}: {again.stderr[-500:]}"
+        return d
+    d.equal = fingerprint(out) == ref
+    d.detail = "" if d.equal else "the manifest's fingerprint differs from the uninterrupted run's"
+    return d
+
+
+# ---------------------------------------------------------------- a rank of several killed
+def ranks_cmd(x: Inputs, out: Path) -> list[str]:
+    return [*train_cmd(x, out), "--nproc-per-node", "2", "--grad-accum", "1"]
+
+
+def rank_kill_drill(spec: str, rank: int, x: Inputs, out: Path, ref: Path) -> Drill:
+    """`eagle3 train` with 2 ranks, rank `rank` SIGKILLed at `spec` (torchrun then stops the other and the command
+    fails); rerun; compare with the uninterrupted 2-rank run `ref` (losses and weights, bitwise)."""
+    d, marker = Drill(f"train, 2 ranks (rank {rank} killed)", spec), out.parent / f"{out.name}.killed"
+    first = cli(ranks_cmd(x, out), {"EAGLE3_KILL_AT": spec, "EAGLE3_KILL_RANK": str(rank),
+                                    "EAGLE3_KILL_MARKER": str(marker)})
+    d.killed = marker.is_file() and first.returncode != 0
+    if not d.killed:
+        d.detail = f"not killed (exit {first.returncode}): {first.stderr[-300:]}"
+        return d
+    again = cli(ranks_cmd(x, out))
+    d.recovered = again.returncode == 0 and not leftovers(out)
+    if not d.recovered:
+        d.detail = f"rerun exit {again.returncode}, leftovers {leftovers(out)[:3]}: {again.stderr[-500:]}"
+        return d
+    d.equal = losses(out) == losses(ref) and weights(out) == weights(ref)
+    d.detail = "" if d.equal else "loss trajectory or weights differ from the uninterrupted 2-rank run"
+    return d
+
+
+# ---------------------------------------------------------------- ENOSPC in any stage
+ENOSPC_STAGE_SCRIPT = r"""
+set -u
+mount -t tmpfs -o size="$BIG" tmpfs "$DISK"
+head -c "$FILL" /dev/zero > "$DISK/filler"
+"$PY" -m eagle3.cli "$@" > /dev/null 2> "$RES/first.err"; echo $? > "$RES/first.rc"
+find "$DISK" -name '.*.tmp' > "$RES/leftovers.txt"
+rm "$DISK/filler"   # space freed
+"$PY" -m eagle3.cli "$@" > /dev/null 2> "$RES/second.err"; echo $? > "$RES/second.rc"
+cp "$DISK/out/manifest.json" "$RES/manifest.json" 2> /dev/null
+"""
+
+
+def du(*dirs: Path) -> int:
+    """Bytes of every file under `dirs`, each rounded up to whole 4 KiB pages (as tmpfs counts them)."""
+    return sum(-(-f.stat().st_size // 4096) * 4096 for d in dirs if d.is_dir() for f in d.rglob("*") if f.is_file())
+
+
+def enospc_stage(stage: str, x: Inputs, work: Path, ref_dirs: tuple[Path, ...], ref: str,
+                 fraction: float = 0.5) -> dict:
+    """`stage` writing to a tmpfs with room for `fraction` of what its uninterrupted run wrote (`ref_dirs`): it must
+    fail in one line naming the full disk, exit 2, and leave no temp file; after the space is freed the same
+    command must finish with the uninterrupted run's fingerprint."""
+    disk, res = work / "disk", work / "res"
+    disk.mkdir(parents=True)
+    res.mkdir()
+    need = du(*ref_dirs)
+    big = need + (8 << 20)
+    env = {**os.environ, "BIG": str(big), "FILL": str(big - int(need * fraction) // 4096 * 4096), "DISK": str(disk),
+           "RES": str(res), "PY": sys.executable}
+    env = {k: v for k, v in env.items() if not k.startswith("EAGLE3_KILL")}
+    cmd = stage_cmd(stage, x, disk / "out", disk / "cache")
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", ENOSPC_STAGE_SCRIPT, "sh", *cmd], cwd=CODE[0], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    err = (res / "first.err").read_text().strip().splitlines()
+    second = int((res / "second.rc").read_text())
+    return {"stage": stage, "room": int(need * fraction), "first_exit": int((res / "first.rc").read_text()),
+            "message": err[-1] if err else "",
+            "one_line": bool(err) and err[-1].startswith(f"eagle3 {stage}: error: ") and not any("Traceback" in ln
+                                                                                                  for ln in err),
+            "leftovers": (res / "leftovers.txt").read_text().split(), "rerun_exit": second,
+            "equal": second == 0 and fingerprint(res) == ref}

@@ -17,14 +17,19 @@ from fault_drills import (
     build_inputs,
     cli,
     enospc_extract,
+    enospc_stage,
     enospc_train,
     extract_disk_preflight,
     kill_drill,
     leftovers,
     losses,
     random_kill_drill,
+    rank_kill_drill,
+    ranks_cmd,
     shard_digests,
     snapshot_code,
+    stage_kill_drill,
+    stage_reference,
     tmpfs_available,
     train_cmd,
     weights,
@@ -63,6 +68,42 @@ def test_malformed_kill_spec_is_refused():
 def test_sigkill_at_point_then_rerun_equals_uninterrupted(stage, spec, inputs, tmp_path):
     d = kill_drill(stage, spec, inputs, tmp_path / "out")
     assert (d.killed, d.recovered, d.equal) == (True, True, True), d.detail
+
+
+@pytest.fixture(scope="module")
+def eval_ref(inputs, tmp_path_factory) -> tuple:
+    """The uninterrupted replay eval of the drill's trained head: (its root, its manifest's fingerprint)."""
+    root = tmp_path_factory.mktemp("eval-ref")
+    return root, stage_reference("eval", inputs, root)
+
+
+@pytest.mark.parametrize("stage,spec", [
+    ("verifier", "file.written@verifier.safetensors:1"),  # its temp file was never cleaned before
+    ("eval", "dir.written@cache:1"),                        # the replay answers built, their dir not renamed
+    ("eval", "file.written@cache:1"),                       # the aux states written, not renamed
+])
+def test_sigkill_in_another_stage_then_rerun_equals_uninterrupted(stage, spec, inputs, eval_ref, tmp_path):
+    ref = eval_ref[1] if stage == "eval" else stage_reference(stage, inputs, tmp_path / "ref")
+    d = stage_kill_drill(stage, spec, inputs, tmp_path / "out", ref)
+    assert (d.killed, d.recovered, d.equal) == (True, True, True), d.detail
+
+
+def test_a_non_zero_rank_killed_under_ddp_then_rerun_equals_uninterrupted(inputs, tmp_path):
+    """Rank 1 of 2 dies of SIGKILL at step 5: torchrun stops rank 0 and the command fails; the rerun resumes
+    from the step-4 checkpoint and ends bitwise equal to the uninterrupted 2-rank run."""
+    ref = tmp_path / "ref"
+    r = cli(ranks_cmd(inputs, ref))
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = rank_kill_drill("train.step:5", 1, inputs, tmp_path / "out", ref)
+    assert (d.killed, d.recovered, d.equal) == (True, True, True), d.detail
+
+
+@pytest.mark.skipif(not tmpfs_available(), reason="no private mount namespace for a small tmpfs")
+def test_full_disk_in_eval_is_one_line_then_rerun_equals_uninterrupted(inputs, eval_ref, tmp_path):
+    root, ref = eval_ref
+    r = enospc_stage("eval", inputs, tmp_path / "disk", (root / "eval-ref", root / "eval-ref-cache"), ref)
+    assert r["first_exit"] == 2 and r["one_line"] and "no space left on device writing" in r["message"], r
+    assert r["leftovers"] == [] and r["rerun_exit"] == 0 and r["equal"], r
 
 
 def test_corrupt_and_truncated_shards_are_named_and_only_they_are_rebuilt(inputs, tmp_path):

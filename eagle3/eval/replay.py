@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ import torch
 
 from eagle3.decoding.batch_decode import answer_rows, kv_bytes_per_token
 from eagle3.decoding.chains import FORMAT, MANIFEST, TURNS, Turn, aux_path, proposals, walk
-from eagle3.storage.atomic import atomic_dir, atomic_path
+from eagle3.storage.atomic import atomic_dir, atomic_path, clean_temp_files
 from eagle3.storage.hashing import sha256_json
 
 Progress = Callable[[str], None]
@@ -82,11 +83,17 @@ def continuations(target, model: torch.nn.Module, convs: Sequence, max_new: int,
         return _continuations(target, model, convs, max_new, tail, batch_size, d, progress, free_bytes)
 
 
+@contextlib.contextmanager
 def build_lock(d: Path):
-    """Held while `d` (a cache dir) is built or extended: one builder per cache at a time, on this host."""
+    """Held while `d` (a cache dir) is built or extended: one builder per cache at a time, on this host. Taken,
+    it removes what a killed builder of `d` left: its temp dir beside `d` and the temp files inside it."""
     from eagle3.storage.lock import RunLock
 
-    return RunLock(d.parent / f".{d.name}.lock", wait_s=7 * 24 * 3600)
+    with RunLock(d.parent / f".{d.name}.lock", wait_s=7 * 24 * 3600):
+        for t in d.parent.glob(f".{d.name}.*.tmp"):
+            shutil.rmtree(t, ignore_errors=True) if t.is_dir() else t.unlink(missing_ok=True)
+        clean_temp_files(d)
+        yield
 
 
 def _continuations(target, model, convs, max_new, tail, batch_size, d, progress,

@@ -39,7 +39,9 @@ def inputs(model_dir: str | Path, draft_dir: str | Path, cfg: EvalConfig,
     """What a report depends on: the target's, the head's and the prompts' content, and the settings.
     The stage's "already done" check and the Prefect task's cache key are both this dict."""
     return {"model": Target.open(model_dir, trust_remote_code).fingerprint(), "draft": dir_fingerprint(draft_dir),
-            "prompts": prompts_fingerprint(cfg.prompts), "config": cfg.model_dump(mode="json", exclude={"prompts"})}
+            "prompts": prompts_fingerprint(cfg.prompts),
+            # where the replay cache lives is a place, not content: moving it changes no result
+            "config": cfg.model_dump(mode="json", exclude={"prompts", "replay_cache"})}
 
 
 def load_target(model_dir: str | Path, device: str | torch.device | None = None,

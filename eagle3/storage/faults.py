@@ -5,6 +5,8 @@
                                                  <path part>, when one is given)
     EAGLE3_KILL_MARKER=<file>                    optional: fire only while <file> does not exist, and
                                                  create it just before dying (so a retry survives)
+    EAGLE3_KILL_RANK=<r>                         optional: fire only in the process whose RANK (set by
+                                                 torchrun) is r; unset, every process counts its own hits
 
 Points, each at a moment where a crash could lose or corrupt work:
 
@@ -30,7 +32,7 @@ import os
 import signal
 from pathlib import Path
 
-ENV, MARKER_ENV = "EAGLE3_KILL_AT", "EAGLE3_KILL_MARKER"
+ENV, MARKER_ENV, RANK_ENV = "EAGLE3_KILL_AT", "EAGLE3_KILL_MARKER", "EAGLE3_KILL_RANK"
 POINTS = ("extract.batch", "file.writing", "file.written", "file.renamed", "dir.written", "dir.renamed", "train.step")
 
 
@@ -47,6 +49,8 @@ def parse(spec: str | None) -> tuple[str, str, int] | None:
 
 
 _SPEC = parse(os.environ.get(ENV))
+if _SPEC is not None and os.environ.get(RANK_ENV, os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+    _SPEC = None  # another rank is the one to kill
 _hits = 0
 
 

@@ -368,7 +368,9 @@ class EvalReport(StageManifest):
     plot_file: str = Field("", description="acceptance.png, or '' when matplotlib is absent")
 
     def _content(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", *self.volatile, *self.TIMINGS})
+        c = self.model_dump(exclude={"created_at", "fingerprint", "eagle3_version", *self.volatile, *self.TIMINGS})
+        c["config"] = {k: v for k, v in c["config"].items() if k != "replay_cache"}  # a place, not content
+        return c
 
 
 class RegeneratedData(StageManifest):

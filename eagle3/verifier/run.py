@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from eagle3.model.target import INDEX, Target
-from eagle3.storage.atomic import atomic_path
+from eagle3.storage.atomic import atomic_path, clean_temp_files
 from eagle3.storage.hashing import sha256_file, sha256_file_cached
 from eagle3.storage.manifests import PreparedData, TensorInfo, VerifierWeights
 
@@ -109,6 +109,7 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
         "t2d": t2d.contiguous(),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
+    clean_temp_files(out_dir)  # a killed run's temp file (this stage writes nothing else that could be half done)
     with atomic_path(out_dir / OUT_FILE) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
 
