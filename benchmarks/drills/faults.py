@@ -1,7 +1,8 @@
-"""Fault-injection matrix: SIGKILL at >= 20 points per stage (inside the tensor writes too), external
-kills that land inside the work, a full disk during extraction and during a checkpoint save, the
-extract disk preflight, a Prefect task killed mid-run, and the whole bad-input corpus; every recovery
-compared with the uninterrupted run.
+"""Fault-injection matrix: SIGKILL at >= 20 points per stage (inside the tensor writes too), at the commits
+of prepare, verifier, regenerate and eval, a rank of 2 killed under DDP (rank 1 mid-step, rank 0 mid-save),
+external kills that land inside the work, a full disk during extraction, a checkpoint save and every
+other stage that writes, the extract disk preflight, a Prefect task killed mid-run, and the whole
+bad-input corpus; every recovery compared with the uninterrupted run.
 
     python -m benchmarks.drills.faults [--per-stage 20] [--random 4]
 
@@ -64,6 +65,12 @@ def kill_points(per: int) -> dict[str, list[str]]:
                          + [f"file.writing@model.safetensors:{n}" for n in (1, 3, 8, 17, 30, 41)]
                          + [f"file.writing@state.pt:{n}" for n in (1, 2, 5, 11, 23, 40, 77)])[:per],
     }
+
+
+# (kill point, rank) under DDP with 2 ranks: rank 1 between optimizer steps and inside a checkpoint's files (which
+# rank 0 writes: rank 1 dies at its next collective); rank 0 inside the optimizer state's write and between files.
+RANK_POINTS = [("train.step:5", 1), ("train.step:13", 1), ("file.writing@state.pt:3", 0),
+               ("file.written@meta.json:2", 0), ("dir.written@checkpoints/step-:3", 0)]
 
 
 def prefect_drills(x: fd.Inputs, work: Path) -> list[dict]:
@@ -155,6 +162,28 @@ def main() -> int:
             tally(r, d, stage, spec)
             if not d.equal:
                 failures.append({"stage": stage, "point": spec, "detail": d.detail[:300]})
+    # The other writing stages: a kill at each of their commits, compared by manifest fingerprint.
+    refs = {}
+    for stage, specs in fd.STAGE_POINTS.items():
+        refs[stage] = fd.stage_reference(stage, x, root / "refs")
+        r = rows.setdefault(stage, {"tried": 0, "killed": 0, "recovered": 0, "equal": 0})
+        for spec in specs:
+            n += 1
+            d = fd.stage_kill_drill(stage, spec, x, root / "drills" / str(n) / "out", refs[stage])
+            tally(r, d, stage, spec)
+            if not d.equal:
+                failures.append({"stage": stage, "point": spec, "detail": d.detail[:300]})
+    # One rank of 2 under DDP: torchrun stops the other, the rerun resumes.
+    ranks_ref = root / "refs" / "train-2-ranks"
+    assert fd.cli(fd.ranks_cmd(x, ranks_ref)).returncode == 0
+    for spec, rank in RANK_POINTS:
+        stage = f"train, 2 ranks (rank {rank})"
+        r = rows.setdefault(stage, {"tried": 0, "killed": 0, "recovered": 0, "equal": 0})
+        n += 1
+        d = fd.rank_kill_drill(spec, rank, x, root / "drills" / str(n) / "out", ranks_ref)
+        tally(r, d, stage, spec)
+        if not d.equal:
+            failures.append({"stage": stage, "point": spec, "detail": d.detail[:300]})
     rng = random.Random(0)
     # From outside, at a random moment inside the work (after a random number of shards / steps, plus
     # up to 0.3 s); "killed" counts only kills that landed there.
@@ -165,7 +194,7 @@ def main() -> int:
             d = fd.random_kill_drill("extract" if stage == "extract" else "train", x, root / "drills" / str(n), rng)
             tally(r, d, stage, d.point)
 
-    enospc = None
+    enospc, enospc_stages = None, []
     if fd.tmpfs_available():
         e = fd.enospc_extract(x, root / "enospc")
         enospc = {"first_exit": e.first_rc, "message": e.message, "leftovers": len(e.leftovers),
@@ -185,6 +214,13 @@ def main() -> int:
               f"{len(t.leftovers)} temp files left, checkpoints {t.checkpoints} intact={t.intact}; rerun after "
               f"growing it: exit {t.second_rc}, {t.resumed_from.strip()}, equal={enospc_train['equal']}")
         print(f"  message: {t.message}")
+        for stage in fd.STAGE_POINTS:
+            e = fd.enospc_stage(stage, x, root / f"enospc-{stage}", (root / "refs" / f"{stage}-ref",
+                                                                     root / "refs" / f"{stage}-ref-cache"), refs[stage])
+            enospc_stages.append(e)
+            print(f"ENOSPC in {stage} (room for half its output): exit {e['first_exit']}, one line={e['one_line']}, "
+                  f"{len(e['leftovers'])} temp files left; rerun after freeing it: exit {e['rerun_exit']}, "
+                  f"equal={e['equal']}\n  message: {e['message']}")
         pre = fd.extract_disk_preflight(x, root / "preflight")
         print(f"extract disk preflight (tmpfs with room for 40% of the shards): exit {pre['exit']}, "
               f"files written {pre['files_written']}\n  message: {pre['message']}")
@@ -208,6 +244,7 @@ def main() -> int:
     print(f"bad-input kinds tried: {len(bad)}, handled cleanly: {clean}")
     print(f"wall time: {time.perf_counter() - t0:.0f} s")
     print(json.dumps({"bench": "faults", "kill_points": rows, "enospc": enospc, "enospc_checkpoint": enospc_train,
+                      "enospc_stages": enospc_stages,
                       "extract_disk_preflight": pre, "prefect": prefect,
                       "bad_inputs": {"kinds": len(bad), "clean": clean,
                                      "not_clean": [o.kind for o in bad if not o.clean]},
