@@ -20,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["prepare", "extract", "verifier", "train", "eval"]
+LEASES = "prefect.server.concurrency.lease_storage.filesystem"
 
 
 def free_port() -> int:
@@ -54,6 +55,20 @@ class Service:
     seconds: dict[str, float] = field(default_factory=dict)
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)  # worker name -> its process
     specs: dict[str, tuple[list[str], dict, Path]] = field(default_factory=dict)  # worker name -> cmd, env, log
+    procs: list[subprocess.Popen] = field(default_factory=list)  # the server first, stopped on exit
+
+    def kill_server(self) -> None:
+        """SIGKILL the server's whole process group, as a crashed host does: nothing of it gets to clean up."""
+        os.killpg(self.procs[0].pid, signal.SIGKILL)
+        self.procs[0].wait()
+
+    def start_server(self, timeout: float = 120) -> float:
+        """Start the server again on the same port and PREFECT_HOME (its database); seconds until it answers."""
+        cmd, env, log = self.specs["server"]
+        t0 = time.time()
+        self.procs[0] = start(cmd, env, log.with_suffix(f".{int(t0)}.log"))
+        _wait_healthy(self.url, self.procs[0], log, timeout)
+        return time.time() - t0
 
     def restart(self, name: str) -> None:
         """Start worker `name` again where it died (a test killed it): its host came back. A test that kills a
@@ -94,7 +109,6 @@ def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | N
     workers on the gpu pool (eagle3-gpu, eagle3-gpu-2, ...: GPU hosts), each in its own process group,
     `Service.workers` by name (a test may kill one); `gpu_limit`: flow runs each gpu worker takes at once (one
     per host for stages that each hold all of a host's devices)."""
-    import httpx
 
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
@@ -105,22 +119,18 @@ def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | N
         env.pop(k, None)
     t0, s = time.time(), None
     # The server checks the credentials (PREFECT_SERVER_API_AUTH_STRING); the clients send theirs.
-    procs = [start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                   {**env, "PREFECT_SERVER_API_AUTH_STRING": auth}, home / "server.log")]
+    # Leases of the `gpus` slots on disk (docs/service.md): held in memory, a restarted server loses them while
+    # their slots stay counted as taken, for good.
+    server = ([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+              {**env, "PREFECT_SERVER_API_AUTH_STRING": auth, "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": LEASES},
+              home / "server.log")
+    procs = [start(*server)]
     try:
         if while_booting is not None:
             while_booting()
-        deadline = time.time() + 120
-        while True:
-            assert procs[0].poll() is None, (home / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:  # the one path open to anyone
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "prefect server did not come up in 120 s"
-            time.sleep(0.5)
-        s = Service(url, auth, home, env, {"server": time.time() - t0})
+        _wait_healthy(url, procs[0], home / "server.log", 120)
+        s = Service(url, auth, home, env, {"server": time.time() - t0}, procs=procs)
+        s.specs["server"] = server
         s.setup(gpus, silent_s)
         # Deploy (it imports every flow) while the workers boot.
         deploy = start([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
@@ -139,6 +149,21 @@ def service(home: Path, gpus: int = 8, worker_env: dict[str, dict[str, str]] | N
     finally:
         for p in [*(s.workers.values() if s is not None else ()), *reversed(procs)]:
             stop(p)
+
+
+def _wait_healthy(url: str, p: subprocess.Popen, log: Path, timeout: float) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        assert p.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:  # the one path open to anyone
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"prefect server did not come up in {timeout:.0f} s"
+        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------- runs

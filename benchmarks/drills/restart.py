@@ -1,0 +1,111 @@
+"""The Prefect server SIGKILLed and restarted while a pipeline run is mid-stage, on the real service.
+
+    python -m benchmarks.drills.restart [--down-s 10] [--stage train]
+
+The service is docs/service.md's (tests/prefect_service.py): `prefect server start` with basic auth, the
+pools and the `gpus` limit, the deployments, a process worker per pool. A pipeline run of the tiny random
+Llama (SmolLM2's tokenizer) on 24 real ShareGPT conversations runs alone first (the reference). The same
+run into another dir is started; once its `--stage` is under way (its first checkpoint, or its first
+shard), the server's process group is SIGKILLed, left down `--down-s` seconds, and started again on the
+same port and database (leases of the `gpus` slots in the server's memory, Prefect's default, or on disk,
+docs/service.md's setting). The drill waits for the run to end and prints: its state, the stages that ran
+again (task runs per stage), the `gpus` slots still held, the seconds from the kill until the run ended,
+and whether its outputs (manifest checksums) equal the reference's. Ends with one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import tests.prefect_service as ps
+
+PIPELINE = "eagle3-pipeline/eagle3-pipeline"
+LOCAL = {"env": {"EAGLE3_GPU_DEPLOYMENT": ""}}  # every stage in the run's own process on the cpu worker
+
+
+def config(model: Path, run_dir: Path) -> dict:
+    from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConfig, TrainConfig
+
+    return PipelineConfig(
+        model=str(model), run_dir=str(run_dir),
+        prepare=PrepareConfig(data="sharegpt", limit=24, max_len=128, val_fraction=0.15, draft_vocab=256),
+        extract=ExtractConfig(aux_layer_ids=[1, 3, 4], shard_bytes=1 << 16, batch_tokens=128),
+        train=TrainConfig(max_steps=60, epochs=30, ttt_steps=2, pack_tokens=128, threads=1, val_every=20,
+                          ckpt_every=5, warmup_steps=1, lr=1e-3),
+        eval=EvalConfig(prompts=str(run_dir.parent / "prompts.jsonl"), k=2, max_new_tokens=8, threads=1),
+    ).model_dump(mode="json")
+
+
+def under_way(run_dir: Path, stage: str) -> bool:
+    if stage == "train":
+        return any((run_dir / "train" / "checkpoints").glob("step-*"))
+    return any((run_dir / "extract" / "shards").glob("*.safetensors"))
+
+
+def task_counts(client, run) -> dict[str, int]:
+    """Task runs per stage of the run (a stage retried or run again counts more than once)."""
+    from collections import Counter
+
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    trs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    return dict(Counter(t.name.rsplit("-", 1)[0] for t in trs if t.name.rsplit("-", 1)[0] in ps.STAGES))
+
+
+def held_slots(client) -> int:
+    return client.read_global_concurrency_limit_by_name("gpus").active_slots
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--down-s", type=float, default=10.0, help="seconds the server stays down")
+    ap.add_argument("--stage", choices=["extract", "train"], default="train", help="the stage the kill lands in")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--lease-storage", choices=["filesystem", "memory"], default="filesystem",
+                    help="where the server keeps concurrency leases (Prefect's default is memory)")
+    a = ap.parse_args()
+    ps.LEASES = f"prefect.server.concurrency.lease_storage.{a.lease_storage}"
+    from benchmarks.drills.faults import tiny_llama
+
+    root = Path(tempfile.mkdtemp(prefix="eagle3-restart-"))
+    model = tiny_llama(root / "tiny-llama")
+    (root / "prompts.jsonl").write_text(json.dumps({"prompt": "What is 2 plus 2?"}) + "\n")
+    out: dict = {"bench": "restart", "stage": a.stage, "down_s": a.down_s, "lease_storage": a.lease_storage}
+    (root / "home").mkdir()
+    with ps.service(root / "home", gpus=8) as svc:
+        with svc.client() as c:
+            t0 = time.time()
+            ref = ps.trigger(c, PIPELINE, {"config": config(model, root / "ref")}, LOCAL, timeout=a.timeout)
+            out["reference"] = {"state": ref.state.name, "seconds": round(time.time() - t0, 1)}
+            print(f"reference run: {ref.state.name} in {out['reference']['seconds']} s", flush=True)
+            run = ps.submit(c, PIPELINE, {"config": config(model, root / "run")}, LOCAL)
+        deadline = time.time() + a.timeout
+        while not under_way(root / "run", a.stage):
+            assert time.time() < deadline, f"{a.stage} never got under way"
+            time.sleep(0.05)
+        svc.kill_server()
+        killed = time.time()
+        print(f"server SIGKILLed with {a.stage} under way; down for {a.down_s} s", flush=True)
+        time.sleep(a.down_s)
+        out["server_start_s"] = round(svc.start_server(), 1)
+        with svc.client() as c:
+            (end,) = ps.wait(c, [run], a.timeout)
+            out["after_kill_s"] = round(time.time() - killed, 1)
+            out["state"], out["message"] = end.state.name, (end.state.message or "")[:300]
+            out["task_runs"] = task_counts(c, end)
+            time.sleep(5)
+            out["gpus_slots_held"] = held_slots(c)
+            out["equal"] = end.state.is_completed() and ps.checksums(root / "run") == ps.checksums(root / "ref")
+    print(f"run after the restart: {out['state']} ({out['message']}), {out['after_kill_s']} s after the kill; "
+          f"server back in {out['server_start_s']} s; task runs per stage {out['task_runs']}; `gpus` slots held "
+          f"{out['gpus_slots_held']}; outputs equal the reference: {out['equal']}")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
