@@ -41,6 +41,8 @@ class ManifestSerializer(Serializer):
     def dumps(self, obj: Any) -> bytes:
         if not isinstance(obj, StageManifest):
             raise TypeError(f"a cached eagle3 stage returns a stage manifest, not {type(obj).__name__}")
+        if obj.fingerprint != sha256_json(obj._content()):  # unsealed: `loads` would refuse it (a silent rerun)
+            obj = obj.model_copy().seal()
         return json.dumps({"kind": obj.kind, "data": obj.model_dump(mode="json")}).encode()
 
     def loads(self, blob: bytes) -> StageManifest:

@@ -4,15 +4,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
 
+import httpx
 from prefect.client.orchestration import ServerType, get_client
-from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 
 LIMIT = "gpus"
-LEASE_S = 60
+LEASE_S = 60  # a dead holder's slots come back this long after its last renewal
+RENEW_S = 10
 
 
 def visible_devices() -> list[str]:
@@ -111,10 +115,80 @@ def hold_gpus(devices: list[str] | None = None, beside: int = 0) -> Iterator[Non
         with _in_use(n, held=False, devices=shown):
             yield
         return
-    # The slots are a lease the holder renews: a holder whose host died stops renewing, and its slots come back
-    # LEASE_S later instead of never.
-    with concurrency(LIMIT, occupy=n, strict=True, lease_duration=LEASE_S), _in_use(n, held=True, devices=shown):
+    with leased(n), _in_use(n, held=True, devices=shown):
         yield
+
+
+@contextlib.contextmanager
+def leased(n: int) -> Iterator[None]:
+    """Hold `n` slots of the limit as a lease renewed every RENEW_S: a holder whose host died stops renewing, and
+    its slots come back LEASE_S later instead of never.
+
+    Prefect's own `concurrency()` renews every 45 s and, after three tries in a few seconds, ends the work (with
+    `strict`) or stops renewing (without): a server restarted at that moment ended a stage that would have gone
+    on (measured by benchmarks/drills/restart.py). Here a renewal that cannot reach the server is tried again
+    every 2 s for as long as the lease can still be alive; only a lease the server no longer has, or one that
+    may have run out, stops the stage (as SIGTERM to this process: a clean stop, and the retry resumes), so
+    that its devices are never used by two stages at once."""
+    from prefect.concurrency._events import emit_concurrency_acquisition_events, emit_concurrency_release_events
+    from prefect.concurrency._sync import acquire_concurrency_slots_with_lease
+
+    got = acquire_concurrency_slots_with_lease([LIMIT], n, lease_duration=LEASE_S, strict=True)
+    events = emit_concurrency_acquisition_events(got.limits, n)
+    stop = threading.Event()
+    renew = threading.Thread(target=_renew, args=(got.lease_id, stop, threading.main_thread().ident), daemon=True,
+                             name="eagle3-gpus-lease")
+    renew.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renew.join(5)  # a renewal in flight may wait on a server that is down
+        _release(got.lease_id)
+        emit_concurrency_release_events(got.limits, n, events)
+
+
+def _renew(lease_id, stop: threading.Event, main: int | None) -> None:
+    log = logging.getLogger("eagle3")
+    last = time.monotonic()  # the lease's last renewal: it lives until last + LEASE_S
+    with get_client(sync_client=True) as c:
+        while not stop.wait(RENEW_S if time.monotonic() - last < RENEW_S else 2.0):
+            try:
+                c.renew_concurrency_lease(lease_id=lease_id, lease_duration=LEASE_S)
+                last = time.monotonic()
+                continue
+            except Exception as e:  # anything but "no such lease" may pass: try again while it lives
+                if isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 404:
+                    why = "the server no longer has it (restarted with its leases in memory?)"
+                elif time.monotonic() - last < LEASE_S - 5:
+                    log.warning("gpus lease: renewal failed (%s: %s); trying again", type(e).__name__, e)
+                    continue
+                else:
+                    why = f"no renewal went through for {time.monotonic() - last:.0f} s ({type(e).__name__}: {e})"
+            log.error("gpus lease %s lost: %s; stopping this stage so that its devices are not shared (its "
+                      "retry resumes)", lease_id, why)
+            if main is not None:
+                signal.pthread_kill(main, signal.SIGTERM)
+            return
+
+
+def _release(lease_id) -> None:
+    """Give the slots back, trying again while the server restarts; failing that, the lease runs out by itself."""
+    with get_client(sync_client=True) as c:
+        for attempt in range(10):
+            try:
+                c.release_concurrency_slots_with_lease(lease_id=lease_id)
+                return
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code == 404:  # gone already (it ran out): nothing is held
+                    return
+                raise
+            except httpx.TransportError:
+                if attempt == 9:
+                    logging.getLogger("eagle3").warning("gpus lease %s: not released (server unreachable); its "
+                                                        "slots come back when it runs out", lease_id)
+                    return
+                time.sleep(min(2 ** attempt, 10))
 
 
 @contextlib.contextmanager

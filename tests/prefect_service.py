@@ -189,6 +189,16 @@ def trigger(client, deployment: str, parameters: dict, job_variables: dict | Non
     return wait(client, [submit(client, deployment, parameters, job_variables)], timeout)[0]
 
 
+def task_counts(client, run) -> dict[str, int]:
+    """Task runs per stage of a flow run (a stage retried or run again counts more than once)."""
+    from collections import Counter
+
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    trs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    return dict(Counter(t.name.rsplit("-", 1)[0] for t in trs if t.name.rsplit("-", 1)[0] in STAGES))
+
+
 def logs(client, run) -> str:
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 

@@ -455,6 +455,38 @@ def test_deployed_train_on_two_nodes_equals_two_ranks_on_one(service, client, ti
     assert TrainedDraft.read(d["train"]).weights_sha256 == TrainedDraft.read(ref).weights_sha256
 
 
+def test_server_killed_and_restarted_mid_training(service, client, tiny):
+    """The server's process group SIGKILLed while a run trains and started again 5 s later on the same database:
+    the run's processes carry on (their API calls retry), the run completes with the outputs of the same run
+    left alone, no stage runs twice, and the `gpus` slots it held come back (leases on disk, docs/service.md)."""
+    cfg, _ = tiny
+    local = {"env": {"EAGLE3_GPU_DEPLOYMENT": ""}}
+    longer = cfg.train.model_copy(update={"max_steps": 40, "epochs": 40, "ckpt_every": 5, "val_every": 20})
+
+    def params(name: str) -> dict:
+        return {"config": cfg.model_copy(update={"run_dir": str(Path(cfg.run_dir).parent / name),
+                                                 "train": longer}).model_dump(mode="json")}
+
+    ref = trigger(client, "eagle3-pipeline/eagle3-pipeline", params("alone"), local)
+    assert ref.state.is_completed(), logs(client, ref)[-3000:]
+    run = submit(client, "eagle3-pipeline/eagle3-pipeline", params("restarted"), local)
+    ckpts = Path(cfg.run_dir).parent / "restarted" / "train" / "checkpoints"
+    deadline = time.time() + 300
+    while not any(ckpts.glob("step-*")):
+        assert time.time() < deadline, "training never wrote its first checkpoint"
+        time.sleep(0.05)
+    service.kill_server()
+    time.sleep(5)
+    service.start_server()
+    with service.client() as c:
+        (end,) = wait(c, [run], 600)
+        assert end.state.is_completed(), logs(c, end)[-3000:]
+        assert ps.task_counts(c, end) == dict.fromkeys(STAGES, 1)
+        time.sleep(3)
+        assert c.read_global_concurrency_limit_by_name("gpus").active_slots == 0
+    assert checksums(Path(cfg.run_dir).parent / "restarted") == checksums(Path(cfg.run_dir).parent / "alone")
+
+
 def test_nightly_sources_reuse_and_promoted_draft(tmp_path):
     """The nightly flow's plumbing, without a server: glob sources, which dirs it reuses, which draft is promoted."""
     from eagle3.storage.atomic import atomic_write_json

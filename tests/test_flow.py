@@ -63,6 +63,8 @@ def run_times(flow_state) -> list[dict]:
 
 def test_all_stages_cached_then_edited_input_reruns(tiny_cfg, prefect_env):
     cfg, src, rows = tiny_cfg
+    storage = prefect_env / "storage"
+    earlier = set(storage.iterdir()) if storage.is_dir() else set()  # other tests' records (one server per process)
     first = run(cfg)
     assert task_states(first) == dict.fromkeys(STAGES, "Completed")
     # the run ends with each stage's wall time and peak RSS beside the preflight's estimate
@@ -72,7 +74,7 @@ def test_all_stages_cached_then_edited_input_reruns(tiny_cfg, prefect_env):
     cached = run(cfg)
     assert task_states(cached) == dict.fromkeys(STAGES, "Cached")
     assert {r["how"] for r in run_times(cached)} == {"cached (inputs unchanged)"}
-    distrusted_results_recompute(cfg, prefect_env / "storage")
+    distrusted_results_recompute(cfg, storage, earlier)
     # Same path, new content: the content key changes, so prepare and what depends on it rerun.
     src.write_text("\n".join(json.dumps(r) for r in rows[:-1]))
     states = task_states(run(cfg))
@@ -95,7 +97,7 @@ def fingerprints(cfg) -> dict[str, str]:
     return {s: json.loads((cfg.stage_dir(s) / "manifest.json").read_text())["fingerprint"] for s in STAGES}
 
 
-def distrusted_results_recompute(cfg, storage):
+def distrusted_results_recompute(cfg, storage, earlier):
     """Prefect's result records hold JSON manifests, never a pickle. A record replaced by a pickle payload (in
     Prefect's own record format, naming the pickle serializer) is never unpickled, and a truncated one is not a
     failure: either way every stage runs again, finds its finished output, and the records are rewritten."""
@@ -103,7 +105,7 @@ def distrusted_results_recompute(cfg, storage):
 
     from bad_inputs import _RunsCode
 
-    records = sorted(p for p in storage.iterdir() if p.is_file())
+    records = sorted(p for p in set(storage.iterdir()) - earlier if p.is_file())
     assert len(records) == len(STAGES)
     for p in records:
         rec = json.loads(p.read_text())
@@ -132,3 +134,31 @@ def test_pipeline_config_validates():
         PipelineConfig.model_validate({"prepare": {"bogus": 1}})
     with pytest.raises(ValueError, match="exactly 3"):
         PipelineConfig.model_validate({"extract": {"aux_layer_ids": [1, 2]}})
+
+
+def test_result_serializer_reads_back_only_checked_manifests():
+    """The cached result's JSON: a sealed manifest round-trips; an unsealed one (a producer's share) is written
+    sealed, so it reads back instead of being a silent miss; a pickle, another kind and an edited field are
+    refused."""
+    import cloudpickle
+
+    from eagle3.storage.manifests import PreparedData, SpooledStates
+    from tasks._cache import SERIALIZER, checked_record
+
+    m = PreparedData(model_dir="/m", records_read=3).seal()
+    assert SERIALIZER.loads(SERIALIZER.dumps(m)) == m
+    share = SpooledStates(num_windows=2)
+    back = SERIALIZER.loads(SERIALIZER.dumps(share))
+    assert back.fingerprint == share.model_copy().seal().fingerprint and share.fingerprint == ""
+    edited = json.loads(SERIALIZER.dumps(m))
+    edited["data"]["records_read"] = 4
+    other = {"kind": "bogus", "data": edited["data"]}
+    for bad in (json.dumps(edited).encode(), json.dumps(other).encode(), b"[]", cloudpickle.dumps(m)):
+        with pytest.raises(ValueError):
+            SERIALIZER.loads(bad)
+    record = {"metadata": {"serializer": {"type": "pickle", "picklelib": "cloudpickle"}},
+              "result": base64.b64encode(cloudpickle.dumps(m)).decode()}
+    with pytest.raises(ValueError, match="not an eagle3 result record"):
+        checked_record(json.dumps(record).encode())
+    record = {"metadata": {"serializer": {"type": "eagle3-manifest"}}, "result": SERIALIZER.dumps(m).decode()}
+    assert checked_record(json.dumps(record).encode())

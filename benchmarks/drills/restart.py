@@ -46,16 +46,6 @@ def under_way(run_dir: Path, stage: str) -> bool:
     return any((run_dir / "extract" / "shards").glob("*.safetensors"))
 
 
-def task_counts(client, run) -> dict[str, int]:
-    """Task runs per stage of the run (a stage retried or run again counts more than once)."""
-    from collections import Counter
-
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    trs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-    return dict(Counter(t.name.rsplit("-", 1)[0] for t in trs if t.name.rsplit("-", 1)[0] in ps.STAGES))
-
-
 def held_slots(client) -> int:
     return client.read_global_concurrency_limit_by_name("gpus").active_slots
 
@@ -96,7 +86,7 @@ def main() -> int:
             (end,) = ps.wait(c, [run], a.timeout)
             out["after_kill_s"] = round(time.time() - killed, 1)
             out["state"], out["message"] = end.state.name, (end.state.message or "")[:300]
-            out["task_runs"] = task_counts(c, end)
+            out["task_runs"] = ps.task_counts(c, end)
             time.sleep(5)
             out["gpus_slots_held"] = held_slots(c)
             out["equal"] = end.state.is_completed() and ps.checksums(root / "run") == ps.checksums(root / "ref")

@@ -290,6 +290,8 @@ class Producer:
             )
             if len(shares) == n:
                 m.write(root)
+            else:
+                m.seal()  # a share is returned (and cached by the flow) as a finished manifest too
         return m
 
 
