@@ -199,6 +199,32 @@ def task_counts(client, run) -> dict[str, int]:
     return dict(Counter(t.name.rsplit("-", 1)[0] for t in trs if t.name.rsplit("-", 1)[0] in STAGES))
 
 
+def kill_worker_of(service: Service, pid: int) -> str | None:
+    """SIGKILL the gpu worker whose process tree holds `pid`, with every process it started, as a host that dies
+    does; the worker's name, or None if no gpu worker holds it."""
+    import psutil
+
+    for name, w in service.workers.items():
+        try:
+            tree = [psutil.Process(w.pid), *psutil.Process(w.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        if name.startswith("eagle3-gpu") and pid in {p.pid for p in tree}:
+            for p in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            return name
+    return None
+
+
+def subflows(client, run) -> list:
+    """The flow runs started from `run` (a stage's hop to its deployment, each try)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    return client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(
+        any_=[run.id])))
+
+
 def logs(client, run) -> str:
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 

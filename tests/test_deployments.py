@@ -40,6 +40,7 @@ from prefect_service import (
     gpu_intervals,
     logs,
     overlaps,
+    subflows,
     submit,
     tiny_inputs,
     trigger,
@@ -91,13 +92,6 @@ def test_server_refuses_calls_without_the_credentials(service):
     assert r.returncode != 0 and "401" in r.stdout + r.stderr
 
 
-def subflows(client, run) -> list:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-
-    return client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(
-        any_=[run.id])))
-
-
 def task_runs(client, *runs) -> dict:
     """Stage task runs by stage name, over the given flow runs (skipping run_deployment's placeholders)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -140,20 +134,14 @@ class KillMidRange:
             return None
 
     def _watch(self) -> None:
-        import psutil
-
         deadline = time.time() + self.timeout
         while time.time() < deadline:
             for rdir in sorted((self.out / "ranges").glob("*-of-*")):
                 if (pid := self._holder(rdir)) is None or (rdir / "manifest.json").exists():
                     continue
-                for name, w in self.service.workers.items():
-                    tree = [psutil.Process(w.pid), *psutil.Process(w.pid).children(recursive=True)]
-                    if name.startswith("eagle3-gpu") and pid in {p.pid for p in tree}:
-                        for p in tree:
-                            p.kill()
-                        self.killed, self.part = name, int(rdir.name.split("-")[0])
-                        return
+                if name := ps.kill_worker_of(self.service, pid):
+                    self.killed, self.part = name, int(rdir.name.split("-")[0])
+                    return
             time.sleep(0.005)
         self.error = f"no range of {self.out} was seen mid-way in {self.timeout} s"
 

@@ -1,6 +1,8 @@
 """Stage 2 as a Prefect task: a retry resumes committed shards; the cache key is content, not paths."""
 from __future__ import annotations
 
+import threading
+
 from eagle3.config import ExtractConfig
 from eagle3.extract import run_extract
 from eagle3.storage.manifests import HiddenStates
@@ -9,18 +11,22 @@ from extract_helpers import random_samples, write_prepared
 
 
 class _FlakyOnce:
-    """Wraps the real backend; the first attempt dies on its 3rd shard (like a lost GPU host)."""
+    """Wraps the real backend; the first backend to reach its `at`-th shard dies there, once (like a lost GPU
+    host). Counted per backend: two ranges run at once, each with its own."""
 
-    calls = 0
+    at = 3
     failed = False
+    lock = threading.Lock()
 
     def __init__(self, inner):
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.calls = inner, inner.name, 0
 
     def extract(self, samples, on_tokens=None):
-        _FlakyOnce.calls += 1
-        if _FlakyOnce.calls == 3 and not _FlakyOnce.failed:
-            _FlakyOnce.failed = True
+        self.calls += 1
+        with _FlakyOnce.lock:
+            fail = self.calls == _FlakyOnce.at and not _FlakyOnce.failed
+            _FlakyOnce.failed |= fail
+        if fail:
             raise RuntimeError("simulated crash in the middle of the run")
         yield from self.inner.extract(samples, on_tokens)
 
@@ -38,6 +44,7 @@ def test_retry_resumes_and_cache_keys_on_content(tiny_llama_dir, tmp_path, monke
     ref = run_extract(tiny_llama_dir, prep, tmp_path / "ref", cfg, show_progress=False)
     assert len(ref.shards) == 6
 
+    _FlakyOnce.at, _FlakyOnce.failed = 3, False
     real = er.make_backend
     monkeypatch.setattr(er, "make_backend", lambda *a, **k: _FlakyOnce(real(*a, **k)))
     monkeypatch.setattr(extract_task, "retry_delay_seconds", [0, 0])
@@ -75,7 +82,7 @@ def test_ranges_on_two_workers_retry_alone_and_commit_the_one_worker_store(tiny_
     write_prepared(prep, {"train": rows})
     cfg = ExtractConfig(aux_layer_ids=[1, 2, 3], shard_bytes=1 << 16)
     ref = run_extract(tiny_llama_dir, prep, tmp_path / "ref", cfg, show_progress=False)
-    _FlakyOnce.calls, _FlakyOnce.failed = 0, False
+    _FlakyOnce.at, _FlakyOnce.failed = 2, False
     real = er.make_backend
     monkeypatch.setattr(er, "make_backend", lambda *a, **k: _FlakyOnce(real(*a, **k)))
     monkeypatch.setattr(extract_range_task, "retry_delay_seconds", [0, 0])

@@ -162,11 +162,7 @@ def task_runs(client, run) -> dict:
 
 
 def subflows(client, run) -> dict:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-
-    kids = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
-    return {k.name: k for k in kids}
+    return {k.name: k for k in ps.subflows(client, run)}
 
 
 def artifacts(client, run) -> dict:
