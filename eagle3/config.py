@@ -203,6 +203,12 @@ class TrainConfig(_Cfg):
         "the field serves for Kimi-K2.5)"
     )
     attn_block: int = Field(256, ge=16, description="query block of the TTT attention kernel")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="the draft's matmuls: bf16 autocast (weights, optimizer state, the target head, the "
+        "softmax and the loss stay fp32) or fp32; auto = bf16 on CUDA, fp32 on a CPU. A CPU with bf16 units "
+        "(avx512_bf16 or AMX in /proc/cpuinfo) runs bf16 faster than fp32 (benchmarks/speed/train.py --bf16); "
+        "without them bf16 is emulated and slower",
+    )
     fsdp: bool = Field(False, description="FSDP2 instead of DDP (CUDA only)")
     export_format: Literal["vllm", "speculators"] = Field("vllm", description="layout of final/")
     threads: int | None = Field(None, ge=1, description="torch CPU threads per process; empty: torch's default")

@@ -213,6 +213,7 @@ def kill_worker_of(service: Service, pid: int) -> str | None:
             for p in tree:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
+            w.wait(30)  # dead (and reaped) before anyone starts it again
             return name
     return None
 

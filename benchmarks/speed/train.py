@@ -30,7 +30,7 @@ SMOLLM2 = dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, nu
                rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, max_position_embeddings=8192)
 
 
-def child(vd: int, k: int, pack: int, steps: int, warmup: int, untied: bool) -> dict:
+def child(vd: int, k: int, pack: int, steps: int, warmup: int, untied: bool, bf16: bool = False) -> dict:
     import torch
 
     from eagle3.model.draft import DraftConfig, Eagle3Draft
@@ -57,7 +57,7 @@ def child(vd: int, k: int, pack: int, steps: int, warmup: int, untied: bool) -> 
              "doc": (torch.arange(pack, device=dev) // (pack // 4))[None],
              "loss_mask": torch.ones(1, pack, dtype=torch.long, device=dev)}
     fin = torch.randn(1, pack, H, device=dev)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" or bf16)
 
     def sync():
         if dev.type == "cuda":
@@ -84,7 +84,7 @@ def child(vd: int, k: int, pack: int, steps: int, warmup: int, untied: bool) -> 
     dt, dt_cached = (sum(times[c]) / steps for c in (False, True))
     r = {"tokens_per_s": round(pack / dt, 1), "tokens_per_s_cached": round(pack / dt_cached, 1),
          "step_s": round(dt, 3), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-         "device": dev.type, "threads": torch.get_num_threads(), "tied": not untied}
+         "device": dev.type, "threads": torch.get_num_threads(), "tied": not untied, "bf16": bf16 or dev.type == "cuda"}
     if dev.type == "cuda":
         r["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     return r
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="*", default=[3, 7])
     ap.add_argument("--untied", action="store_true", help="give the verifier head its own lm_head copy")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast on a CPU too (as on CUDA)")
     ap.add_argument("--child", nargs=2, type=int, metavar=("VD", "K"))
     a = ap.parse_args()
     if a.child:
@@ -106,13 +107,13 @@ def main() -> None:
             import torch
 
             torch.set_num_threads(a.threads)
-        print(json.dumps(child(a.child[0], a.child[1], a.pack, a.steps, a.warmup, a.untied)))
+        print(json.dumps(child(a.child[0], a.child[1], a.pack, a.steps, a.warmup, a.untied, a.bf16)))
         return
     results = {}
     for vd in a.vocab:
         for k in a.k:
             cmd = [sys.executable, "-m", __spec__.name, "--child", str(vd), str(k), "--pack", str(a.pack),
-                   "--steps", str(a.steps), "--warmup", str(a.warmup)] + ["--untied"] * a.untied + (
+                   "--steps", str(a.steps), "--warmup", str(a.warmup)] + ["--untied"] * a.untied + ["--bf16"] * a.bf16 + (
                        ["--threads", str(a.threads)] if a.threads else [])
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
             if p.returncode:

@@ -319,7 +319,8 @@ class Run:
     Fixed: cfg, world, out, hidden (the hidden states' manifest), rs (the replay set or None), fp (`inputs`),
     config (cfg as JSON), draft (the bare draft), head (the target's norm + lm_head), the train / val stores,
     lengths (the train samples' token counts), spe (optimizer steps per epoch), total (optimizer steps of the
-    run), weights (the TTT steps' loss weights), amp (bf16 autocast on CUDA), tops (`TopCache`).
+    run), weights (the TTT steps' loss weights), precision (cfg.precision resolved on this device), amp (its
+    autocast), tops (`TopCache`).
     Built by `resume`: model (`TTT` wrapped for DDP / FSDP), params (its trainable parameters), opt, sched.
     Moving, and saved in every checkpoint: pos; best (the best validation so far: tau, step, metric, sim_tau,
     replay_tau); last_val (the step of the latest validation, -1 before the first).
@@ -361,7 +362,8 @@ class Run:
         self.pos, self.best = Pos(), {"tau": -1.0, "step": -1}
         # step of the latest validation: a checkpoint is saved before its step's epoch-end validation
         self.last_val = -1
-        self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if world.device.type == "cuda" else nullcontext()
+        self.precision = floats.resolve_precision(cfg.precision, world.device)
+        self.amp = floats.autocast(self.precision, world.device)
         self.tops = TopCache()
         self.metrics_path = out / METRICS
 
@@ -576,8 +578,9 @@ class Run:
             weights_sha256=sha256_file(out / FINAL / "model.safetensors"),
         )
         result.write(out)
-        log.info("train: done, %d steps; best %s %.3f at step %d; exported %s", self.pos.step,
-                 best.get("metric", "sim_tau").replace("_", " "), best["tau"], best["step"], out / FINAL)
+        log.info("train: done, %d steps (%s compute); best %s %.3f at step %d; exported %s", self.pos.step,
+                 self.precision, best.get("metric", "sim_tau").replace("_", " "), best["tau"], best["step"],
+                 out / FINAL)
         return result
 
 
