@@ -113,8 +113,8 @@ def main() -> None:
     for vd in a.vocab:
         for k in a.k:
             cmd = [sys.executable, "-m", __spec__.name, "--child", str(vd), str(k), "--pack", str(a.pack),
-                   "--steps", str(a.steps), "--warmup", str(a.warmup)] + ["--untied"] * a.untied + ["--bf16"] * a.bf16 + (
-                       ["--threads", str(a.threads)] if a.threads else [])
+                   "--steps", str(a.steps), "--warmup", str(a.warmup)] + ["--untied"] * a.untied + (
+                       ["--bf16"] * a.bf16) + (["--threads", str(a.threads)] if a.threads else [])
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
             if p.returncode:
                 results[f"vd{vd}_k{k}"] = {"error": p.stderr.strip().splitlines()[-1:]}
