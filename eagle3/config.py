@@ -195,6 +195,8 @@ class TrainConfig(_Cfg):
     # defaults chosen by measured simulated tau: see DraftConfig and benchmarks/experiments/norm_switches.py
     norm_before_fc: bool = Field(False,
                                  description="RMSNorm over the 3H input of fc (speculators #692; off by measurement)")
+    fc_norm: bool = Field(False, description="one RMSNorm per aux layer over fc's input (EAGLE-3.1): the three "
+                          "layers' states differ in scale, a norm each gives fc inputs of one scale")
     norm_output: bool = Field(True, description="pass the normed hidden state to the next draft step")
     norm_before_residual: bool = Field(False, description="vLLM's norm_before_residual switch (off by measurement)")
     draft_layer: Literal["llama", "mla"] = Field(
@@ -202,6 +204,20 @@ class TrainConfig(_Cfg):
         "(an MLA target's own attention, DeepSeek-V3 / Kimi-K2.5; vLLM's Eagle3DeepseekV3ForCausalLM, the layer "
         "the field serves for Kimi-K2.5)"
     )
+    # Initialisation levers: keep what the draft copies from the target working from the first step.
+    head_lr_scale: float = Field(
+        1.0, ge=0.0, description="lm_head's learning rate as a multiple of lr; 0 freezes it. The head starts as the "
+        "target's own rows, which already map a final state to the target's tokens (EAGLE-1 froze it)")
+    norm_init: Literal["ones", "target"] = Field(
+        "ones", description="the draft's final `norm` starts at ones or at the target's final norm weight: the copied "
+        "lm_head was trained to read states scaled by that norm")
+    zero_init_residual: bool = Field(
+        False, description="o_proj and down_proj start at zero (Medusa's residual blocks): the layer starts as the "
+        "identity on its residual stream, so step 0 begins from fc's projection of the target's states")
+    zero_aux: bool = Field(
+        False, description="diagnostic: fc frozen at zero, so the draft never sees the target's states (served the "
+        "same way, as fc is zero in the export). If tau barely drops against the same run without it, the feature "
+        "path is not being learned")
     attn_block: int = Field(256, ge=16, description="query block of the TTT attention kernel")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="the draft's matmuls: bf16 autocast (weights, optimizer state, the target head, the "

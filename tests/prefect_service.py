@@ -199,9 +199,9 @@ def task_counts(client, run) -> dict[str, int]:
     return dict(Counter(t.name.rsplit("-", 1)[0] for t in trs if t.name.rsplit("-", 1)[0] in STAGES))
 
 
-def kill_worker_of(service: Service, pid: int) -> str | None:
-    """SIGKILL the gpu worker whose process tree holds `pid`, with every process it started, as a host that dies
-    does; the worker's name, or None if no gpu worker holds it."""
+def worker_of(service: Service, pid: int) -> tuple[str, list] | None:
+    """The gpu worker whose process tree holds `pid`: its name and that tree (psutil processes, the worker
+    first), or None if no gpu worker holds it."""
     import psutil
 
     for name, w in service.workers.items():
@@ -210,12 +210,23 @@ def kill_worker_of(service: Service, pid: int) -> str | None:
         except psutil.NoSuchProcess:
             continue
         if name.startswith("eagle3-gpu") and pid in {p.pid for p in tree}:
-            for p in tree:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.kill()
-            w.wait(30)  # dead (and reaped) before anyone starts it again
-            return name
+            return name, tree
     return None
+
+
+def kill_worker_of(service: Service, pid: int) -> str | None:
+    """SIGKILL the gpu worker whose process tree holds `pid`, with every process it started, as a host that dies
+    does; the worker's name, or None if no gpu worker holds it."""
+    import psutil
+
+    if (found := worker_of(service, pid)) is None:
+        return None
+    name, tree = found
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    service.workers[name].wait(30)  # dead (and reaped) before anyone starts it again
+    return name
 
 
 def subflows(client, run) -> list:

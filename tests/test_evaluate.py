@@ -79,7 +79,7 @@ def write_native(d: Eagle3Draft, out, prefix: str = "", keep=("d2t", "t2d"), emb
         "architectures": ["LlamaForCausalLMEagle3"], **layer_config(c), "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size, "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc,
-        "norm_output": c.norm_output,
+        "fc_norm": c.fc_norm, "norm_output": c.norm_output,
     }
     (out / "config.json").write_text(json.dumps(cfg))
     sd = {k: v for k, v in d.state_dict().items() if k not in ("d2t", "t2d", "embed_tokens.weight")}

@@ -165,14 +165,15 @@ def test_evaluate_vllm_on_fake_equals_hf_path(tiny_llama_dir, tmp_path, monkeypa
 def test_real_engine_eval_equals_hf(smollm2_dir, family_dirs, fam, tmp_path):
     """The real engine (fp32 on CPU) serves a random head as is, and its own spec-decode counters give the same
     drafts, accepted tokens, per-position counts and answers as the hf evaluator on the same head and prompts: on
-    SmolLM2 and on the Qwen3 and Llama-3.1 (rope_scaling llama3, untied head, three stop ids) layouts."""
+    SmolLM2 (a head with a norm per aux layer, `fc_norm`) and on the Qwen3 and Llama-3.1 (rope_scaling llama3,
+    untied head, three stop ids) layouts."""
     from eagle3.eval.run import evaluate
 
     from engine import ENGINE, engine_processes
     from test_evaluate import random_draft, write_native
 
     model, trust = (smollm2_dir if fam == "smollm2" else family_dirs[fam]), False
-    draft = write_native(random_draft(model, draft_vocab=256, seed=2), tmp_path / "final")
+    draft = write_native(random_draft(model, draft_vocab=256, seed=2, fc_norm=fam == "smollm2"), tmp_path / "final")
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"turns": ["Name three colours.", "And three animals."]}) + "\n"
                  + json.dumps({"prompt": "Count from one to ten."}) + "\n")

@@ -154,8 +154,9 @@ def _serving_chain(m: Eagle3Draft, ids, aux, pos, t, k):
 
 @pytest.mark.parametrize(
     "switches",
-    [{}, {"norm_before_fc": False, "norm_output": False, "norm_before_residual": False}, {"norm_output": False}],
-    ids=["all-on", "all-off", "prenorm-output"],
+    [{}, {"norm_before_fc": False, "norm_output": False, "norm_before_residual": False}, {"norm_output": False},
+     {"fc_norm": True}],
+    ids=["all-on", "all-off", "prenorm-output", "fc-norm"],
 )
 @pytest.mark.parametrize("layer", ["llama", "mla"])
 def test_ttt_equals_serving_steps(switches, layer):
@@ -215,6 +216,25 @@ def test_switch_semantics():
     aux = torch.randn(2, 3, 32)
     torch.testing.assert_close(m_on.combine(aux), m_on.fc(m_on.input_norm(aux.flatten(-2))))
     torch.testing.assert_close(m_off.combine(aux), m_off.fc(aux.flatten(-2)))
+
+
+def test_fc_norm_is_one_rmsnorm_per_aux_layer():
+    """fc_norm: each aux layer's state normed alone, after input_norm as vLLM does, so a layer whose states are
+    1000x larger than the others no longer drowns them; the weights are vLLM's `fc_norm.{0,1,2}.weight`."""
+    m = _model(fc_norm=True, norm_before_fc=True)
+    assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(m.state_dict())
+    assert m.state_dict()["fc_norm.2.weight"].shape == (32,)
+    with torch.no_grad():
+        for i, n in enumerate(m.fc_norm):
+            n.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(i))
+    aux = torch.randn(2, 3, 32)
+    x = m.input_norm(aux.flatten(-2))
+    want = m.fc(torch.cat([m.fc_norm[i](x[:, 32 * i:32 * (i + 1)]) for i in range(3)], -1))
+    torch.testing.assert_close(m.combine(aux), want, rtol=0, atol=0)
+    plain = _model(fc_norm=True)
+    scaled = aux.clone()
+    scaled[:, 2] *= 1000.0  # one layer's scale does not reach fc
+    torch.testing.assert_close(plain.combine(scaled), plain.combine(aux), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -459,3 +459,45 @@ def test_bf16_compute_tracks_fp32_on_a_fixed_batch(stages):
         assert torch.nn.functional.cosine_similarity(g.flatten(), g16[n].flatten(), dim=0) > 0.99, n
     for a, b, c in zip(ref.correct, low.correct, ref.kl_count, strict=True):
         assert abs(a - b) <= max(1, c // 100)
+
+
+def test_init_levers_start_from_the_target_and_train_only_what_they_say(stages, tmp_path):
+    """norm_init target: the draft's final norm is the target's; zero_init_residual: the layer starts as the identity
+    on its residual; zero_aux: fc stays exactly zero through training (so does a head at head_lr_scale 0), and the
+    export serves that same function; head_lr_scale 0.25: lm_head's group gets a quarter of the lr."""
+    from safetensors.torch import load_file
+
+    from eagle3.storage.manifests import HiddenStates
+    from eagle3.train.loop import build_draft, param_groups, train
+
+    import shutil
+
+    from safetensors.torch import save_file
+
+    ver = shutil.copytree(stages / "ver", tmp_path / "ver")  # the tiny target's final norm is all ones: make it not
+    tensors = load_file(ver / "verifier.safetensors")
+    tensors["norm"] = torch.linspace(0.5, 2.0, tensors["norm"].numel())
+    save_file(tensors, ver / "verifier.safetensors")
+    norm, head = tensors["norm"], tensors["lm_head_draft"]
+    cfg = TrainConfig(ttt_steps=2, pack_tokens=192, max_steps=3, threads=1, warmup_steps=0, replay_prompts=0,
+                      norm_init="target", zero_init_residual=True, zero_aux=True, head_lr_scale=0.0)
+    d = build_draft(cfg, HiddenStates.read(stages / "hid"), ver)
+    assert torch.equal(d.norm.weight, norm)
+    assert torch.equal(build_draft(cfg.model_copy(update={"norm_init": "ones"}), HiddenStates.read(stages / "hid"),
+                                   ver).norm.weight, torch.ones_like(norm))
+    r = torch.randn(1, 5, d.config.hidden_size)
+    attn = torch.randn(1, d.config.num_attention_heads, 5, d.config.head_dim)
+    assert torch.equal(d.midlayer.finish(attn, r), r)  # o_proj and down_proj at zero
+    assert not d.fc.weight.requires_grad and not d.lm_head.weight.requires_grad
+
+    train(cfg, stages / "hid", stages / "ver", tmp_path / "t", progress=False)
+    w = load_file(tmp_path / "t" / "final" / "model.safetensors")
+    assert not w["fc.weight"].any() and torch.equal(w["lm_head.weight"], head)
+    assert not torch.equal(w["midlayer.mlp.down_proj.weight"], torch.zeros_like(w["midlayer.mlp.down_proj.weight"]))
+
+    quarter = cfg.model_copy(update={"head_lr_scale": 0.25, "zero_aux": False, "lr": 2e-3})
+    d = build_draft(quarter, HiddenStates.read(stages / "hid"), stages / "ver")
+    params = [p for p in d.parameters() if p.requires_grad]
+    body, lm = param_groups(d, params, quarter)
+    assert lm["params"] == [d.lm_head.weight] and lm["lr"] == 5e-4 and "lr" not in body
+    assert len(body["params"]) == len(params) - 1

@@ -16,11 +16,17 @@ and whether its outputs (manifest checksums) equal the reference's. Ends with on
 once the stage is under way that worker is SIGKILLed with every process it started, as a host that dies,
 and started again at once (the host came back). The server marks the silent flow run Crashed (no heartbeat
 for 90 s), the pipeline's hop retries the stage, and the retry resumes from what was committed.
+
+`--fault worker-term`: the same hop, but the worker gets one SIGTERM (a service manager stopping it). The
+drill prints the seconds until the worker and every process it started are gone, whether the stage's lock
+and any temp file are left in the run dir, then starts the worker again and waits for the run as above.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -62,6 +68,41 @@ def holder(run_dir: Path, stage: str) -> int | None:
         return None
 
 
+def term_worker(svc: ps.Service, pid: int, stage_dir: Path) -> dict:
+    """SIGTERM the gpu worker running the stage whose lock `pid` holds; wait for its whole tree to go; start the
+    worker again. What was seen: seconds until the tree was gone, processes still alive, lock and temp files."""
+    import fcntl
+
+    import psutil
+
+    from eagle3.storage.lock import LOCK_NAME
+
+    def locked(f: Path) -> bool:  # the kernel's flock, as eagle3's RunLock takes it
+        with open(f) as h:
+            try:
+                fcntl.flock(h, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+
+    found = ps.worker_of(svc, pid)
+    assert found, f"no gpu worker runs the stage (pid {pid})"
+    name, tree = found
+    t0 = time.time()
+    os.kill(tree[0].pid, signal.SIGTERM)
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    gone_s = round(time.time() - t0, 1)
+    svc.workers[name].wait(5)
+    temps = [str(f) for f in stage_dir.rglob("*") if ".tmp" in f.name]
+    seen = {"tree": len(tree), "tree_gone_s": gone_s, "still_alive": [p.pid for p in alive],
+            "lock_held": locked(stage_dir / LOCK_NAME), "temp_files_left": temps}
+    print(f"worker {name} sent SIGTERM with the stage under way: its {len(tree)} processes gone in {gone_s} s, "
+          f"{len(alive)} still alive, lock held {seen['lock_held']}, temp files left {len(temps)}; started again",
+          flush=True)
+    svc.restart(name)
+    return seen
+
+
 def held_slots(client) -> int:
     return client.read_global_concurrency_limit_by_name("gpus").active_slots
 
@@ -70,7 +111,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--down-s", type=float, default=10.0, help="seconds the server stays down")
     ap.add_argument("--stage", choices=["extract", "train"], default="train", help="the stage the kill lands in")
-    ap.add_argument("--fault", choices=["server", "worker"], default="server", help="what is SIGKILLed")
+    ap.add_argument("--fault", choices=["server", "worker", "worker-term"], default="server",
+                    help="what is SIGKILLed (worker-term: the worker is sent SIGTERM)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--lease-storage", choices=["filesystem", "memory"], default="filesystem",
                     help="where the server keeps concurrency leases (Prefect's default is memory)")
@@ -82,7 +124,7 @@ def main() -> int:
     model = tiny_llama(root / "tiny-llama")
     (root / "prompts.jsonl").write_text(json.dumps({"prompt": "What is 2 plus 2?"}) + "\n")
     out: dict = {"bench": "restart", "fault": a.fault, "stage": a.stage, "lease_storage": a.lease_storage}
-    worker = a.fault == "worker"
+    worker = a.fault.startswith("worker")
     ranks, jobs = (2, None) if worker else (1, LOCAL)  # a worker fault: the stages hop to the gpu pool
     (root / "home").mkdir()
     with ps.service(root / "home", gpus=8) as svc:
@@ -96,7 +138,10 @@ def main() -> int:
         while (pid := holder(root / "run", a.stage)) is None:
             assert time.time() < deadline, f"{a.stage} never got under way"
             time.sleep(0.05)
-        if worker:
+        if a.fault == "worker-term":
+            out.update(term_worker(svc, pid, root / "run" / a.stage))
+            killed = time.time()
+        elif worker:
             name = ps.kill_worker_of(svc, pid)
             assert name, f"no gpu worker runs the {a.stage} stage (pid {pid})"
             killed = time.time()

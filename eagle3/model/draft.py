@@ -1,6 +1,7 @@
 """The EAGLE-3 draft: config, modules and every forward pass, in one file.
 
     h0   = fc(input_norm(cat(aux_low, aux_mid, aux_high)))            # [T, H], step 0 only
+           (with fc_norm: cat(fc_norm_0(aux_low), fc_norm_1(aux_mid), fc_norm_2(aux_high)) instead)
     x    = cat(input_layernorm(embed(token)), hidden_norm(h))          # [T, 2H]
     a    = o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x)) # one GQA Llama attention
     r    = a + residual, where residual = h (or hidden_norm(h) with norm_before_residual)
@@ -10,7 +11,8 @@
 Parameter names are vLLM's native EAGLE-3 names (`fc`, `input_norm`, `midlayer.*`, `norm`,
 `lm_head`, `d2t`; `t2d` is ignored by vLLM), so export is a plain state-dict dump. The
 semantics follow vLLM's `llama_eagle3.py` (LlamaModel.forward / combine_hidden_states):
-`input_norm` is the RMSNorm of `norm_before_fc`; `norm_output` makes the *normed* state the
+`input_norm` is the RMSNorm of `norm_before_fc`; `fc_norm` one RMSNorm per aux layer (applied after
+`input_norm` when both are on, as vLLM does); `norm_output` makes the *normed* state the
 one passed to the next step; `norm_before_residual` makes the residual `hidden_norm(h)`.
 
 Two layer kinds (`DraftConfig.layer`), one forward pass each, both in this file:
@@ -80,6 +82,11 @@ class DraftConfig(BaseModel):
     norm_before_fc: bool = Field(
         False, description="RMSNorm (`input_norm`) over the 3H input of fc (speculators' default, off here by "
         "measurement)"
+    )
+    fc_norm: bool = Field(
+        False, description="one RMSNorm per aux layer (`fc_norm.0..2`) over fc's input: the three layers' states "
+        "differ in scale by orders of magnitude, and a norm per layer gives fc inputs of one scale (EAGLE-3.1); "
+        "vLLM reads it as the config's `fc_norm`"
     )
     norm_output: bool = Field(
         True, description="pass the normed output (not the pre-norm one) to the next step"
@@ -172,7 +179,7 @@ class DraftConfig(BaseModel):
         computes; training samples sit within the YaRN's original context anyway.
         `layer="mla"` (an MLA target only) keeps the target's own attention: its MLA widths, head count and
         RoPE, YaRN included, which vLLM's MLA draft layer computes as the target does.
-        `aux_layer_ids` defaults to vLLM's (2, N//2, N-3). `switches` sets norm_before_fc,
+        `aux_layer_ids` defaults to vLLM's (2, N//2, N-3). `switches` sets norm_before_fc, fc_norm,
         norm_output and norm_before_residual.
         """
         if isinstance(target, (str, Path)):
@@ -421,6 +428,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps) if c.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(3))
+                        if c.fc_norm else None)
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = DecoderLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -434,7 +443,7 @@ class Eagle3Draft(nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         """HF Llama's init for the trained Linear layers (normal, std 0.02); norms at 1."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight") or name.startswith("input_norm"):
+            if name.endswith("norm.weight") or name.startswith(("input_norm", "fc_norm")):
                 nn.init.ones_(p)
             elif name != "embed_tokens.weight":
                 nn.init.normal_(p, std=std)
@@ -473,6 +482,8 @@ class Eagle3Draft(nn.Module):
             aux = aux.flatten(-2)  # [..., 3, Ht] -> [..., 3Ht], low | mid | high
         if self.input_norm is not None:
             aux = self.input_norm(aux)
+        if self.fc_norm is not None:  # [..., 3Ht] -> three [..., Ht] chunks, each normed on its own
+            aux = torch.cat([n(x) for n, x in zip(self.fc_norm, aux.chunk(3, -1))], -1)
         return self.fc(aux)
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

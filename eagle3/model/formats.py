@@ -5,8 +5,8 @@ ours, other tools' native dirs (EAGLE, SpecForge) and speculators dirs back into
 `vllm` (native EAGLE-3, what vLLM's `LlamaForCausalLMEagle3` loads): config.json with architectures
 ["LlamaForCausalLMEagle3"], model_type "llama", num_hidden_layers 1, the target's vocab_size,
 and at the top level draft_vocab_size, target_hidden_size, the 3 aux ids as
-eagle_aux_hidden_state_layer_ids and the three norm switches written explicitly. Weights keep
-Eagle3Draft's names, which are vLLM's (no `model.` prefix): fc, input_norm (norm_before_fc),
+eagle_aux_hidden_state_layer_ids and the four norm switches written explicitly. Weights keep
+Eagle3Draft's names, which are vLLM's (no `model.` prefix): fc, input_norm (norm_before_fc), fc_norm.0..2,
 midlayer.*, norm, lm_head, d2t; t2d is kept for our own tools (vLLM skips it); embed_tokens is
 left out (vLLM shares the target's).
 
@@ -71,6 +71,7 @@ def _eagle_fields(c) -> dict[str, Any]:
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "norm_before_residual": c.norm_before_residual,
         "norm_before_fc": c.norm_before_fc,
+        "fc_norm": c.fc_norm,
         "norm_output": c.norm_output,
     }
 
@@ -153,6 +154,8 @@ def export(state: dict[str, torch.Tensor], config, k: int, out: str | Path, fmt:
         raise ValueError(f"unknown export format {fmt!r} (vllm or speculators)")
     if fmt == "speculators" and config.layer == "mla":
         raise ValueError("the speculators format has no MLA draft layer: export an MLA head as vllm (native)")
+    if fmt == "speculators" and config.fc_norm:
+        raise ValueError("the speculators format has no per-layer fc norm: export an fc_norm head as vllm (native)")
     out = Path(out)
     d2t = state["d2t"]
     if d2t.numel() > 1 and not bool(d2t.any()) and config.draft_vocab_size < config.vocab_size:
@@ -260,6 +263,7 @@ def load_draft(
         aux = aux[:3]  # some tools list the final layer too; the draft consumes 3
     switches = {
         "norm_before_fc": _flag(cfg, "norm_before_fc", "input_norm.weight" in t),
+        "fc_norm": _flag(cfg, "fc_norm", "fc_norm.0.weight" in t),
         "norm_output": _flag(cfg, "norm_output", False),
         "norm_before_residual": _flag(cfg, "norm_before_residual", False),
     }

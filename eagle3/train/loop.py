@@ -23,7 +23,7 @@ from torch import nn
 
 from eagle3.config import TrainConfig
 from eagle3.decoding.chains import ReplaySet, replay_counts
-from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.model.draft import VERIFIER_FILE, DraftConfig, Eagle3Draft
 from eagle3.model.formats import export
 from eagle3.runtime import floats, heap
 from eagle3.storage import spool
@@ -78,14 +78,35 @@ def build_draft(cfg: TrainConfig, hidden: HiddenStates, verifier_dir: Path) -> E
                          "the verifier and the extract stage come from different targets")
     dcfg = DraftConfig.from_target(
         hidden.model_dir, draft_vocab_size=ver.draft_vocab_size, aux_layer_ids=hidden.aux_layer_ids,
-        norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output, norm_before_residual=cfg.norm_before_residual,
-        layer=cfg.draft_layer,
+        norm_before_fc=cfg.norm_before_fc, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
+        norm_before_residual=cfg.norm_before_residual, layer=cfg.draft_layer,
     )
     torch.manual_seed(cfg.seed)  # same init on every rank and every rerun
     draft = Eagle3Draft.from_verifier(dcfg, verifier_dir)
+    init_levers(draft, cfg, verifier_dir)
     if cfg.init_from:
         warm_start(draft, Path(cfg.init_from))
     return draft
+
+
+def init_levers(draft: Eagle3Draft, cfg: TrainConfig, verifier_dir: Path) -> None:
+    """The initialisation switches of `cfg` (norm_init, zero_init_residual, zero_aux, a frozen head), applied to a
+    fresh draft; the same on every rank, as they read only the config and the verifier."""
+    with torch.no_grad():
+        if cfg.norm_init == "target":
+            from safetensors import safe_open
+
+            with safe_open(str(verifier_dir / VERIFIER_FILE), "pt") as f:
+                draft.norm.weight.copy_(f.get_tensor("norm"))  # [H]: the target's final RMSNorm weight
+        if cfg.zero_init_residual:
+            layer = draft.midlayer
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        if cfg.zero_aux:
+            draft.fc.weight.zero_()
+            draft.fc.weight.requires_grad_(False)
+    if cfg.head_lr_scale == 0:
+        draft.lm_head.weight.requires_grad_(False)
 
 
 def warm_start(draft: Eagle3Draft, src: Path) -> None:
@@ -109,6 +130,16 @@ def warm_start(draft: Eagle3Draft, src: Path) -> None:
     if missing:
         raise ValueError(f"init_from: {src} lacks {missing[:4]} (norm_before_fc / norm_output settings differ?)")
     draft.load_state_dict({k: v for k, v in w.items() if k in own}, strict=False)
+
+
+def param_groups(model: nn.Module, params: list[nn.Parameter], cfg: TrainConfig) -> list[dict[str, Any]]:
+    """The optimizer's groups: one, unless `head_lr_scale` gives lm_head its own learning rate (0 froze it before
+    this: it is not in `params`). LambdaLR scales each group's own lr, so the ratio holds through the schedule."""
+    if cfg.head_lr_scale in (0.0, 1.0):
+        return [{"params": params}]
+    head = {id(p) for n, p in model.named_parameters() if n.endswith("lm_head.weight")}
+    return [{"params": [p for p in params if id(p) not in head]},
+            {"params": [p for p in params if id(p) in head], "lr": cfg.lr * cfg.head_lr_scale}]
 
 
 def lr_lambda(cfg: TrainConfig, total: int):
@@ -407,7 +438,8 @@ class Run:
                                    eta=cfg.lk_eta, topk=cfg.topk, topk_weight=cfg.topk_weight), self.world, cfg.fsdp)
         # The optimizer is built on the wrapped model's parameters (FSDP2 replaces them with shards).
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(param_groups(self.model, self.params, cfg), lr=cfg.lr, betas=tuple(cfg.betas),
+                                     weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, self.total))
 
     def restore(self, last: Path, state: dict[str, Any]) -> None:
