@@ -171,7 +171,10 @@ class TrainConfig(_Cfg):
         None, ge=1, description="stop after this many optimizer steps (overrides epochs); empty: run every epoch")
     pack_tokens: int = Field(2048, ge=16, description="tokens per packed row (samples are concatenated, never padded)")
     grad_accum: int = Field(1, ge=1, description="packed rows per rank per optimizer step")
-    lr: float = Field(3e-4, gt=0.0, description="peak AdamW learning rate")
+    lr: float = Field(3e-4, gt=0.0, description="peak learning rate")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw, or muon: torch's Muon (orthogonalised updates, scaled to AdamW's RMS so lr "
+        "and schedule carry over) for the draft layer's and fc's matrices, AdamW for the norms and lm_head")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine decays to lr times min_lr_ratio")
     warmup_steps: int = Field(20, ge=0, description="linear warmup steps")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
@@ -252,6 +255,9 @@ class TrainConfig(_Cfg):
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r}: expected HOST:PORT "
                                  "(e.g. node0.internal:29500)")
+        if self.fsdp and self.optimizer == "muon":
+            raise ValueError("optimizer muon runs under DDP only: FSDP2's sharded optimizer state is not gathered "
+                             "for Muon beside AdamW; set fsdp false or optimizer adamw")
         return self
 
     @property

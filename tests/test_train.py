@@ -468,7 +468,8 @@ def test_init_levers_start_from_the_target_and_train_only_what_they_say(stages, 
     from safetensors.torch import load_file
 
     from eagle3.storage.manifests import HiddenStates
-    from eagle3.train.loop import build_draft, param_groups, train
+    from eagle3.train.loop import build_draft, train
+    from eagle3.train.optim import param_groups
 
     import shutil
 
@@ -501,3 +502,23 @@ def test_init_levers_start_from_the_target_and_train_only_what_they_say(stages, 
     body, lm = param_groups(d, params, quarter)
     assert lm["params"] == [d.lm_head.weight] and lm["lr"] == 5e-4 and "lr" not in body
     assert len(body["params"]) == len(params) - 1
+
+
+def test_muon_resumes_equal_to_an_uninterrupted_run(stages, tmp_path, monkeypatch):
+    """optimizer muon: Muon on the 2-D hidden weights, AdamW on norms and lm_head, one schedule over both. SIGKILLed
+    at step 5 (after the step-4 checkpoint), the same command resumes both optimizers' state from it: the losses and
+    the weights equal an uninterrupted run's bit for bit."""
+    steps = ["--max-steps", "8", "--ckpt-every", "2", "--optimizer", "muon", "--lr", "0.002"]
+    run_train(stages, tmp_path / "clean", *steps)
+    monkeypatch.setenv("EAGLE3_KILL_AT", "train.step:5")
+    p = run_train(stages, tmp_path / "killed", *steps, wait=False)
+    assert p.wait(timeout=600) != 0 and not (tmp_path / "killed" / "final").exists()
+    monkeypatch.delenv("EAGLE3_KILL_AT")
+    run_train(stages, tmp_path / "killed", *steps)
+    assert losses(tmp_path / "killed") == losses(tmp_path / "clean")
+    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("clean", "killed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    last = sorted((tmp_path / "clean" / "checkpoints").glob("step-*"))[-1]
+    assert set(torch.load(last / "state.pt", weights_only=True)["optimizer"]) == {"muon", "adamw"}
+    with pytest.raises(ValueError, match="muon runs under DDP only"):
+        TrainConfig(optimizer="muon", fsdp=True)

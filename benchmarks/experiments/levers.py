@@ -36,6 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
 BASE = {"ttt_steps": 3, "step_decay": 0.8, "epochs": 1, "pack_tokens": 2048, "lr": 1e-3, "warmup_steps": 10,
         "val_every": 50, "ckpt_every": 50, "loss": "kl", "norm_before_fc": False}
 
+# examples/smollm2-sharegpt.yaml's training (its prepare: 400 conversations, max_len 1024, vocab 8192, val 0.03)
+DEMO = {"epochs": 3, "lr": 3e-3, "val_every": 100, "ckpt_every": 100}
+
 # name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy"} | {}, eval k list).
 # "demo-*" levers change one thing of the demo preset (3 epochs, lr 3e-3) and are also paired against the
 # demo's own head, scored as lever "demo" (`--score demo=runs/demo/train`).
@@ -63,6 +66,15 @@ LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     # fresh data instead of a third pass: 600 conversations (their own prepare and extraction) for 2 epochs,
     # about the demo's training tokens (2 x 1.5 = 3 passes) for 1.5x its extraction
     "demo-600x2": ({"epochs": 2, "lr": 3e-3}, {"limit": 600}, [3]),
+    # The demo preset itself, trained here (fp32 on a CPU, as `make demo` runs), and the levers at its full length
+    # under bf16 autocast, each paired against "demo-bf16" (vs bf16) as well as against "demo".
+    "demo": (DEMO, {}, [3]),
+    "demo-bf16": ({**DEMO, "precision": "bf16"}, {}, [3]),
+    "demo-bf16-fcnorm": ({**DEMO, "precision": "bf16", "fc_norm": True}, {}, [3]),
+    "demo-bf16-init": ({**DEMO, "precision": "bf16", "norm_init": "target", "zero_init_residual": True}, {}, [3]),
+    "demo-bf16-head01": ({**DEMO, "precision": "bf16", "head_lr_scale": 0.1}, {}, [3]),
+    "demo-bf16-zeroaux": ({**DEMO, "precision": "bf16", "zero_aux": True}, {}, [3]),
+    "demo-bf16-muon": ({**DEMO, "precision": "bf16", "optimizer": "muon"}, {}, [3]),
     "vocab16k": ({}, {"vocab": 16384}, [3]),
     "vocab32k": ({}, {"vocab": 32000}, [3]),
     "onpolicy": ({}, {"data": "onpolicy"}, [3]),
@@ -146,6 +158,8 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
     refs = {f"delta_k{k}": "baseline"} if name != "baseline" else {}
     if name.startswith("demo-"):
         refs[f"vs_demo_k{k}"] = "demo"
+    if name.startswith("demo-bf16-"):
+        refs[f"vs_bf16_k{k}"] = "demo-bf16"
     for key, ref in refs.items():
         theirs = root / ref / f"eval-k{k}"
         if (mine / "samples.jsonl").is_file() and (theirs / "samples.jsonl").is_file():
@@ -174,7 +188,8 @@ def table(root: Path) -> None:
               if "tau_k5" in r else "")
         pp = " / ".join(f"{x:.3f}" for x in r["per_position_k3"])
         vs = "; ".join(([dl(r["delta_k3"])] if "delta_k3" in r else [])
-                       + ([f"vs demo {dl(r['vs_demo_k3'])}"] if "vs_demo_k3" in r else []))
+                       + ([f"vs demo {dl(r['vs_demo_k3'])}"] if "vs_demo_k3" in r else [])
+                       + ([f"vs demo-bf16 {dl(r['vs_bf16_k3'])}"] if "vs_bf16_k3" in r else []))
         print(f"| {name} | {json.dumps(setting)} | {r['steps']} | {cpu} | {ci(r['tau_k3'], r['ci_k3'])} "
               f"| {vs} | {k5} | {pp} |")
 

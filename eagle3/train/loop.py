@@ -33,6 +33,7 @@ from eagle3.storage.manifests import HiddenStates, SpoolSource, TrainedDraft, Ve
 from eagle3.storage.store import bytes_per_token, open_store
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
+from eagle3.train import optim
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch, val_packs
 from eagle3.train.loss import TargetHead, TTTLossOutput, scored, step_weights, ttt_loss_fused
 from eagle3.train.metrics import Meter, TensorBoard, chain_acceptance, plot_curves
@@ -130,16 +131,6 @@ def warm_start(draft: Eagle3Draft, src: Path) -> None:
     if missing:
         raise ValueError(f"init_from: {src} lacks {missing[:4]} (norm_before_fc / norm_output settings differ?)")
     draft.load_state_dict({k: v for k, v in w.items() if k in own}, strict=False)
-
-
-def param_groups(model: nn.Module, params: list[nn.Parameter], cfg: TrainConfig) -> list[dict[str, Any]]:
-    """The optimizer's groups: one, unless `head_lr_scale` gives lm_head its own learning rate (0 froze it before
-    this: it is not in `params`). LambdaLR scales each group's own lr, so the ratio holds through the schedule."""
-    if cfg.head_lr_scale in (0.0, 1.0):
-        return [{"params": params}]
-    head = {id(p) for n, p in model.named_parameters() if n.endswith("lm_head.weight")}
-    return [{"params": [p for p in params if id(p) not in head]},
-            {"params": [p for p in params if id(p) in head], "lr": cfg.lr * cfg.head_lr_scale}]
 
 
 def lr_lambda(cfg: TrainConfig, total: int):
@@ -432,14 +423,14 @@ class Run:
         return last, state_dict, state
 
     def build_model(self) -> None:
-        """The TTT module wrapped for DDP / FSDP, its AdamW optimizer and warmup + cosine LR schedule."""
+        """The TTT module wrapped for DDP / FSDP, its optimizer (eagle3.train.optim) and warmup + cosine LR
+        schedule."""
         cfg = self.cfg
         self.model = dist.wrap(TTT(self.draft, cfg.ttt_steps, cfg.attn_block, self.weights, loss=cfg.loss,
                                    eta=cfg.lk_eta, topk=cfg.topk, topk_weight=cfg.topk_weight), self.world, cfg.fsdp)
         # The optimizer is built on the wrapped model's parameters (FSDP2 replaces them with shards).
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(param_groups(self.model, self.params, cfg), lr=cfg.lr, betas=tuple(cfg.betas),
-                                     weight_decay=cfg.weight_decay)
+        self.opt = optim.build(self.model, self.params, cfg)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, self.total))
 
     def restore(self, last: Path, state: dict[str, Any]) -> None:

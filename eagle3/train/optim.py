@@ -1,0 +1,76 @@
+"""The draft's optimizer: AdamW, or Muon for the hidden matrices with AdamW for the rest.
+
+`build(model, params, cfg)` returns one `torch.optim.Optimizer` whose `param_groups` hold every trained
+parameter, so the LR schedule (LambdaLR, which scales each group's own lr) and the checkpoint's
+`state_dict` see one object either way.
+
+Groups: lm_head gets `lr * head_lr_scale` when that is neither 1 (one group, as ever) nor 0 (the head is then
+frozen and not among `params`).
+
+Muon (`optimizer: muon`): the 2-D weights of the draft layer and fc take torch's Muon, which orthogonalises
+each update by Newton-Schulz iterations; with `adjust_lr_fn="match_rms_adamw"` (Moonshot's scaling) an update
+has about AdamW's RMS, so the same `lr` and schedule serve both. Norm weights (1-D) and lm_head, whose rows
+are the target's token directions rather than a hidden map, stay on AdamW, as Muon's authors and the field
+run it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagle3.config import TrainConfig
+
+
+def param_groups(model: nn.Module, params: list[nn.Parameter], cfg: TrainConfig) -> list[dict[str, Any]]:
+    """AdamW's groups: one, or the body and lm_head at `lr * head_lr_scale`."""
+    if cfg.head_lr_scale in (0.0, 1.0):
+        return [{"params": params}]
+    head = _head_ids(model)
+    return [{"params": [p for p in params if id(p) not in head]},
+            {"params": [p for p in params if id(p) in head], "lr": cfg.lr * cfg.head_lr_scale}]
+
+
+def build(model: nn.Module, params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer `cfg.optimizer` names over `params` (the trained parameters of `model`)."""
+    adamw = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(param_groups(model, params, cfg), **adamw)
+    head = _head_ids(model)
+    matrices = [p for p in params if p.ndim == 2 and id(p) not in head]
+    ids = {id(p) for p in matrices}
+    rest = [p for p in params if id(p) not in ids]
+    muon = torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")
+    return MuonAdamW(muon, torch.optim.AdamW(param_groups(model, rest, cfg), **adamw))
+
+
+def _head_ids(model: nn.Module) -> set[int]:
+    return {id(p) for n, p in model.named_parameters() if n.endswith("lm_head.weight")}
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Two optimizers stepped as one: `param_groups` is Muon's groups then AdamW's (the same dicts, so a
+    scheduler's lr reaches both); `state_dict` nests each one's own."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer):
+        self.parts = (muon, adamw)
+        super().__init__([p for o in self.parts for g in o.param_groups for p in g["params"]], {})
+        self.param_groups = [g for o in self.parts for g in o.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for o in self.parts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"muon": self.parts[0].state_dict(), "adamw": self.parts[1].state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.parts[0].load_state_dict(state["muon"])
+        self.parts[1].load_state_dict(state["adamw"])
+        self.param_groups = [g for o in self.parts for g in o.param_groups]  # loading made new group dicts
