@@ -39,6 +39,18 @@ BASE = {"ttt_steps": 3, "step_decay": 0.8, "epochs": 1, "pack_tokens": 2048, "lr
 # examples/smollm2-sharegpt.yaml's training (its prepare: 400 conversations, max_len 1024, vocab 8192, val 0.03)
 DEMO = {"epochs": 3, "lr": 3e-3, "val_every": 100, "ckpt_every": 100}
 
+# The demo preset itself, trained here (fp32 on a CPU, as `make demo` runs), and the levers at its full length
+# under bf16 autocast, each paired against "demo-bf16" (vs bf16) as well as against "demo".
+DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
+    "demo": (DEMO, {}, [3]),
+    "demo-bf16": ({**DEMO, "precision": "bf16"}, {}, [3]),
+    "demo-bf16-fcnorm": ({**DEMO, "precision": "bf16", "fc_norm": True}, {}, [3]),
+    "demo-bf16-init": ({**DEMO, "precision": "bf16", "norm_init": "target", "zero_init_residual": True}, {}, [3]),
+    "demo-bf16-head01": ({**DEMO, "precision": "bf16", "head_lr_scale": 0.1}, {}, [3]),
+    "demo-bf16-zeroaux": ({**DEMO, "precision": "bf16", "zero_aux": True}, {}, [3]),
+    "demo-bf16-muon": ({**DEMO, "precision": "bf16", "optimizer": "muon"}, {}, [3]),
+}
+
 # name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy"} | {}, eval k list).
 # "demo-*" levers change one thing of the demo preset (3 epochs, lr 3e-3) and are also paired against the
 # demo's own head, scored as lever "demo" (`--score demo=runs/demo/train`).
@@ -66,15 +78,9 @@ LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     # fresh data instead of a third pass: 600 conversations (their own prepare and extraction) for 2 epochs,
     # about the demo's training tokens (2 x 1.5 = 3 passes) for 1.5x its extraction
     "demo-600x2": ({"epochs": 2, "lr": 3e-3}, {"limit": 600}, [3]),
-    # The demo preset itself, trained here (fp32 on a CPU, as `make demo` runs), and the levers at its full length
-    # under bf16 autocast, each paired against "demo-bf16" (vs bf16) as well as against "demo".
-    "demo": (DEMO, {}, [3]),
-    "demo-bf16": ({**DEMO, "precision": "bf16"}, {}, [3]),
-    "demo-bf16-fcnorm": ({**DEMO, "precision": "bf16", "fc_norm": True}, {}, [3]),
-    "demo-bf16-init": ({**DEMO, "precision": "bf16", "norm_init": "target", "zero_init_residual": True}, {}, [3]),
-    "demo-bf16-head01": ({**DEMO, "precision": "bf16", "head_lr_scale": 0.1}, {}, [3]),
-    "demo-bf16-zeroaux": ({**DEMO, "precision": "bf16", "zero_aux": True}, {}, [3]),
-    "demo-bf16-muon": ({**DEMO, "precision": "bf16", "optimizer": "muon"}, {}, [3]),
+    **DEMO_LEVERS,
+    # the second training seed (init and shuffle) of each: the seed spread next to the prompts' CI
+    **{f"{name}-s1": ({**over, "seed": 1}, extra, ks) for name, (over, extra, ks) in DEMO_LEVERS.items()},
     "vocab16k": ({}, {"vocab": 16384}, [3]),
     "vocab32k": ({}, {"vocab": 32000}, [3]),
     "onpolicy": ({}, {"data": "onpolicy"}, [3]),
@@ -153,13 +159,16 @@ def score(a, root: Path, name: str, draft: Path, ks: list[int], row: dict) -> di
 
 def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float, float]]:
     """The paired deltas of lever `name` at k, from the per-prompt rounds on disk: against the baseline
-    ("delta_k{k}", every lever) and against the demo head ("vs_demo_k{k}", the "demo-*" levers)."""
+    ("delta_k{k}", every lever), the demo head ("vs_demo_k{k}", the "demo-*" levers) and the demo's bf16 head
+    ("vs_bf16_k{k}", the "demo-bf16-*" levers), each of the same training seed."""
     mine, out = root / name / f"eval-k{k}", {}
     refs = {f"delta_k{k}": "baseline"} if name != "baseline" else {}
+    seed = "-s1" if name.endswith("-s1") else ""  # a second-seed run pairs with the same seed's references
     if name.startswith("demo-"):
-        refs[f"vs_demo_k{k}"] = "demo"
+        refs[f"vs_demo_k{k}"] = "demo" + seed
     if name.startswith("demo-bf16-"):
-        refs[f"vs_bf16_k{k}"] = "demo-bf16"
+        refs[f"vs_bf16_k{k}"] = "demo-bf16" + seed
+    refs = {key: ref for key, ref in refs.items() if ref != name}
     for key, ref in refs.items():
         theirs = root / ref / f"eval-k{k}"
         if (mine / "samples.jsonl").is_file() and (theirs / "samples.jsonl").is_file():
