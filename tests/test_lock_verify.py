@@ -157,3 +157,19 @@ def test_verify_reads_only_what_changed_unless_deep(tmp_path, smollm2_dir, monke
     shard.write_bytes(shard.read_bytes()[:-1] + b"x")
     (f,) = verify_tree(run)
     assert len(calls) == 2 * n + 1 and f.bad == [f"{shard}: sha256 differs from the manifest (corrupt or truncated)"]
+
+
+def test_stop_message_names_the_last_output_not_a_checksum_stamp(tmp_path, monkeypatch):
+    """A stamp the checksum cache writes is bookkeeping: a stop after it still names the run's last output."""
+    import signal
+
+    import eagle3.storage.hashing as a
+    from eagle3.runtime import stop
+    from eagle3.storage.atomic import atomic_write_text
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "run" / "shard-0.txt"
+    atomic_write_text(out, "x")
+    a.sha256_file_cached(out)
+    assert any((tmp_path / "cache").rglob("*.json"))  # the stamp was written
+    assert f"the last file committed was {out};" in stop.message(stop.Stopped(signal.SIGTERM))

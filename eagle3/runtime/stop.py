@@ -105,6 +105,17 @@ def committed(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Atomic writes in this block are bookkeeping (a checksum stamp in the cache), not the run's work: the stop
+    message keeps naming the last output file."""
+    before = list(_last)
+    try:
+        yield
+    finally:
+        _last[:] = before
+
+
+@contextlib.contextmanager
 def on_unwind() -> Iterator[None]:
     """Set STOP when the block is left by a stop (ours, KeyboardInterrupt or Prefect's TerminationSignal), so
     children started on other threads are stopped too."""

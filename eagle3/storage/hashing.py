@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eagle3.runtime import stop
 from eagle3.storage.atomic import atomic_write_json
 
 _CHUNK = 1 << 20
@@ -77,7 +78,7 @@ def sha256_file_cached(path: str | os.PathLike, rehash: bool = False) -> str:
             return digest
         digest = sha256_file(p)
         if _identity(p) == ident:  # unchanged while it was read: the digest belongs to this identity
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError), stop.unrecorded():
                 atomic_write_json(stamp, {**ident, "sha256": digest})
         return digest
     finally:
