@@ -36,6 +36,9 @@ class _Cfg(BaseModel):
 
 VllmDtype = Literal["auto", "float32", "bfloat16"]
 
+# online: how long one side of a spool (producer or trainer) waits on the other with no sign of life before it fails
+SPOOL_WAIT_S = 900.0
+
 
 def vllm_dtype_field(why: str) -> Any:
     """The `dtype` of a stage that runs on vLLM only."""
@@ -321,8 +324,8 @@ class PipelineConfig(_Cfg):
         "train shards produced ahead of the trainer); the producer waits while it is full",
     )
     spool_wait_s: float = Field(
-        900.0, gt=0, description="online: how long one side waits for the other (a producer for the trainer to make "
-        "room, a trainer for its next shard) with no sign of life from it before it fails",
+        SPOOL_WAIT_S, gt=0, description="online: how long one side waits for the other (a producer for the trainer to "
+        "make room, a trainer for its next shard) with no sign of life from it before it fails",
     )
     prepare: PrepareConfig = Field(default_factory=PrepareConfig, description=PrepareConfig.__doc__)
     extract: ExtractConfig = Field(default_factory=ExtractConfig, description=ExtractConfig.__doc__)

@@ -29,7 +29,7 @@ from prefect.context import FlowRunContext, TaskRunContext
 from prefect.deployments import run_deployment
 from pydantic import BaseModel
 
-from eagle3.config import EvalConfig, ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
+from eagle3.config import SPOOL_WAIT_S, EvalConfig, ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
 from eagle3.registry import STAGES as LIBRARY
 from eagle3.runtime.heap import PeakRSS
 from eagle3.runtime.progress import hms
@@ -413,7 +413,7 @@ def train(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name:
 
 @flow(name="eagle3-produce")
 def produce(model: str, prepared: str, out: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
-            wait_s: float = 900.0, trust_remote_code: bool = False, part: int | None = None) -> SpooledStates:
+            wait_s: float = SPOOL_WAIT_S, trust_remote_code: bool = False, part: int | None = None) -> SpooledStates:
     """Online, beside an eagle3-train run reading the spool `out`: fill it with the target's hidden states in
     the read order of `train`, as the trainer reads them (the spool never holds more than spool_bytes). `part`:
     producer `part` of cfg.workers (its own windows; a pipeline starts one flow run per producer). On this

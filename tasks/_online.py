@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from eagle3.config import ExtractConfig, TrainConfig
+from eagle3.config import SPOOL_WAIT_S, ExtractConfig, TrainConfig
 from eagle3.storage.manifests import SpooledStates, SpoolSource, TrainedDraft
 
 
@@ -25,7 +25,8 @@ class OnlineSource(BaseModel):
 
     extract: ExtractConfig = Field(description="the producer's extract settings")
     spool_bytes: int = Field(ge=1 << 20, description="the spool's cap on disk, in bytes")
-    wait_s: float = Field(900.0, gt=0, description="how long the trainer waits on a producer with no sign of life")
+    wait_s: float = Field(SPOOL_WAIT_S, gt=0,
+                          description="how long the trainer waits on a producer with no sign of life")
 
     @property
     def producer_slots(self) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from eagle3.config import ExtractConfig, TrainConfig
+from eagle3.config import SPOOL_WAIT_S, ExtractConfig, TrainConfig
 from eagle3.extract import run_extract
 from eagle3.runtime.progress import Meter
 from eagle3.storage.manifests import HiddenRange, HiddenStates, SpooledStates
@@ -235,7 +235,7 @@ class Pace:
 @cached_task(name="produce", task_run_name="produce", cache_policy=content_policy("produce", _produce_key), retries=2,
              retry_delay_seconds=10, retry_condition_fn=retry_unless_gone)
 def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
-                 wait_s: float = 900.0, trust_remote_code: bool = False,
+                 wait_s: float = SPOOL_WAIT_S, trust_remote_code: bool = False,
                  devices: list[str] | None = None, part: int | None = None) -> SpooledStates:
     """Online: fill the spool `out` with the target's hidden states in the read order of the trainer of `train`,
     which runs beside this task; end once it has read every window. `part`: with cfg.workers producers, this is

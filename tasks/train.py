@@ -16,7 +16,7 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from eagle3.config import TrainConfig
+from eagle3.config import SPOOL_WAIT_S, TrainConfig
 from eagle3.eval.replay import replay_set_dir
 from eagle3.runtime.stop import run_child
 from eagle3.storage.hashing import sha256_file
@@ -174,7 +174,7 @@ def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_
                 # the stage dir follows its inputs: checkpoints of other inputs are stale, not a conflict
                 run_streamed(command(hidden, verifier, out, cfg, verifier_name, restart_on_mismatch=True,
                                      replay=replay, online=online is not None,
-                                     wait_s=online.wait_s if online else 900.0, node_rank=node_rank), log, env,
+                                     wait_s=online.wait_s if online else SPOOL_WAIT_S, node_rank=node_rank), log, env,
                              writes=(out,))
         except UserInputError:
             raise

@@ -465,15 +465,13 @@ def test_init_levers_start_from_the_target_and_train_only_what_they_say(stages, 
     """norm_init target: the draft's final norm is the target's; zero_init_residual: the layer starts as the identity
     on its residual; zero_aux: fc stays exactly zero through training (so does a head at head_lr_scale 0), and the
     export serves that same function; head_lr_scale 0.25: lm_head's group gets a quarter of the lr."""
-    from safetensors.torch import load_file
+    import shutil
+
+    from safetensors.torch import load_file, save_file
 
     from eagle3.storage.manifests import HiddenStates
     from eagle3.train.loop import build_draft, train
     from eagle3.train.optim import param_groups
-
-    import shutil
-
-    from safetensors.torch import save_file
 
     ver = shutil.copytree(stages / "ver", tmp_path / "ver")  # the tiny target's final norm is all ones: make it not
     tensors = load_file(ver / "verifier.safetensors")

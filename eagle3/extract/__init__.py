@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from eagle3.config import ExtractConfig
+from eagle3.config import SPOOL_WAIT_S, ExtractConfig
 from eagle3.flags import MODEL, OUT, PREPARED, REUSE, TRUST, UserError
 from eagle3.stage import Command, Stage, lazy_exports
 from eagle3.storage.manifests import HiddenRange, HiddenStates
@@ -107,8 +107,8 @@ PRODUCE = Command(
            ("--world", dict(type=int, default=None, help="the trainer's ranks (default its nnodes x nproc_per_node)")),
            ("--spool-bytes", dict(type=int, default=None, help="the spool's cap in bytes (default: the config's "
                                   "spool_bytes, 4 GiB)")),
-           ("--wait-s", dict(type=float, default=900.0, help="fail when the trainer has shown no sign of life for "
-                             "this many seconds while the producer waits on it")),
+           ("--wait-s", dict(type=float, default=SPOOL_WAIT_S, help="fail when the trainer has shown no sign of "
+                             "life for this many seconds while the producer waits on it")),
            ("--part", dict(type=int, default=None, help="several workers: this is producer K (0 to --workers - 1) of "
                            "those filling the spool at once (one per host, each its own engine; the spool on storage "
                            "they share)"))),

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3.config import ExtractConfig
+from eagle3.config import SPOOL_WAIT_S, ExtractConfig
 from eagle3.extract.run import Backend, Samples, check_engine_length, inputs, load_samples, make_backend
 from eagle3.model.target import Target
 from eagle3.runtime.heap import retain_freed_memory
@@ -61,7 +61,7 @@ def online_inputs(model, prepared, cfg: ExtractConfig, order: Order, spool_bytes
 
 
 def produce(model: str | Path, prepared: str | Path, spool: str | Path, cfg: ExtractConfig, order: Order,
-            spool_bytes: int, *, part: int | None = None, wait_s: float = 900.0,
+            spool_bytes: int, *, part: int | None = None, wait_s: float = SPOOL_WAIT_S,
             progress: Progress | None = None, backend: Backend | None = None,
             trust_remote_code: bool = False) -> SpooledStates:
     """Produce every window the trainer reading `order` will read into `spool` (`part` = k: only producer k's of

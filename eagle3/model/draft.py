@@ -483,7 +483,7 @@ class Eagle3Draft(nn.Module):
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         if self.fc_norm is not None:  # [..., 3Ht] -> three [..., Ht] chunks, each normed on its own
-            aux = torch.cat([n(x) for n, x in zip(self.fc_norm, aux.chunk(3, -1))], -1)
+            aux = torch.cat([n(x) for n, x in zip(self.fc_norm, aux.chunk(3, -1), strict=True)], -1)
         return self.fc(aux)
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ One process trains in the calling process; several go through torchrun (launch.p
 """
 from __future__ import annotations
 
-from eagle3.config import TrainConfig
+from eagle3.config import SPOOL_WAIT_S, TrainConfig
 from eagle3.flags import UserError
 from eagle3.runtime.stop import run_child
 from eagle3.stage import Stage
@@ -17,7 +17,8 @@ __all__ = ["STAGE"]
 
 
 def _run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", restart_on_mismatch: bool = False,
-        replay: str | None = None, online: bool = False, wait_s: float = 900.0, node_rank: int = 0) -> TrainedDraft:
+        replay: str | None = None, online: bool = False, wait_s: float = SPOOL_WAIT_S,
+        node_rank: int = 0) -> TrainedDraft:
     """Train `cfg` here (one process) or under torchrun (several: on this host, or this host's part as node
     `node_rank` of cfg.nnodes, each node running this same call with its own rank)."""
     kw = dict(verifier_name=verifier_name, restart_on_mismatch=restart_on_mismatch, replay=replay, online=online,
@@ -68,8 +69,8 @@ STAGE = Stage(
                           "on it and picks the best checkpoint by it (with --replay-prompts above 0)")),
         ("--online", dict(action="store_true", help="--hidden is an online producer's spool dir, read as it is filled "
                           "(`eagle3 produce`)")),
-        ("--wait-s", dict(type=float, default=900.0, help="online: fail when the producer has shown no sign of life "
-                          "for this many seconds while the trainer waits on it")),
+        ("--wait-s", dict(type=float, default=SPOOL_WAIT_S, help="online: fail when the producer has shown no sign "
+                          "of life for this many seconds while the trainer waits on it")),
         ("--node-rank", dict(type=int, default=0, help="nnodes above 1: this node, 0..nnodes-1 (every node runs the "
                              "same command and config with its own rank; they meet at rdzv_endpoint)")),
     ),

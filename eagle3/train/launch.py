@@ -18,7 +18,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from eagle3.config import TrainConfig
+from eagle3.config import SPOOL_WAIT_S, TrainConfig
 from eagle3.storage.atomic import atomic_write_text
 
 CONFIG_FILE = "train_config.json"
@@ -67,7 +67,8 @@ def finished(hidden, verifier, out, cfg: TrainConfig, replay: str | None = None,
 
 
 def command(hidden, verifier, out, cfg: TrainConfig, verifier_name: str = "", restart_on_mismatch: bool = False,
-            replay: str | None = None, online: bool = False, wait_s: float = 900.0, node_rank: int = 0) -> list[str]:
+            replay: str | None = None, online: bool = False, wait_s: float = SPOOL_WAIT_S,
+            node_rank: int = 0) -> list[str]:
     """The torchrun command that trains `cfg` (written whole to <out>/train_config.json) on these stage dirs
     (validating on the replay set `replay`, when given), as node `node_rank` of cfg.nnodes."""
     check_node(cfg, node_rank)
@@ -83,7 +84,7 @@ def command(hidden, verifier, out, cfg: TrainConfig, verifier_name: str = "", re
 
 
 def run_rank(cfg: TrainConfig, out, *, hidden, verifier, verifier_name: str = "", restart_on_mismatch: bool = False,
-             replay: str | None = None, online: bool = False, wait_s: float = 900.0) -> None:
+             replay: str | None = None, online: bool = False, wait_s: float = SPOOL_WAIT_S) -> None:
     """This process's part of training `cfg` (global rank 0 holds the out dir's lock)."""
     from eagle3.storage.lock import RunLock
     from eagle3.train.loop import train

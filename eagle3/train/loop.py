@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3.config import TrainConfig
+from eagle3.config import SPOOL_WAIT_S, TrainConfig
 from eagle3.decoding.chains import ReplaySet, replay_counts
 from eagle3.model.draft import VERIFIER_FILE, DraftConfig, Eagle3Draft
 from eagle3.model.formats import export
@@ -243,7 +243,7 @@ def replay_validate(draft: Eagle3Draft, rs: ReplaySet, k: int, d: dist.Dist, amp
 
 def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, out: str | Path,
           verifier_name: str = "", progress: bool = True, restart_on_mismatch: bool = False,
-          replay: str | Path | None = None, online: bool = False, wait_s: float = 900.0) -> TrainedDraft | None:
+          replay: str | Path | None = None, online: bool = False, wait_s: float = SPOOL_WAIT_S) -> TrainedDraft | None:
     """Train (or resume) a draft; rank 0 returns the manifest of `out`, other ranks None.
 
     Checkpoints in `out` from another config or other inputs are an error, or, with
