@@ -299,7 +299,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
                 + 2 * t.vocab_size * t.hidden_size * tokens * tc.epochs)
     # CPU: measured SmolLM2 rates, scaled by the draft's size and the unroll
     r1, r2 = TRAIN_CPU_TOK_PER_S
-    vals = tc.epochs + tc.epochs * steps_per_epoch(cfg, tokens) // tc.val_every
+    vals = tc.epochs + tc.epochs * estimated_steps_per_epoch(cfg, tokens) // tc.val_every
     cpu_s = ((tokens / r1 + tokens * (tc.epochs - 1) / r2 + vals * tokens * val_share(cfg) * 0.5 / r2)
              * (P / 10e6) * (tc.ttt_steps / 3) + TRAIN_CPU_START_S)
     tr_s = tr_flops / (tc.world * GPU_TRAIN_FLOPS) if cfg.extract.backend == "vllm" else cpu_s / host.train
@@ -435,7 +435,7 @@ def disk_problem(cfg: PipelineConfig, t: TargetPlan, total: float, free: int, sp
                            f"(prepare.limit / max_len), or another run_dir")
 
 
-def steps_per_epoch(cfg: PipelineConfig, tokens: int) -> int:
+def estimated_steps_per_epoch(cfg: PipelineConfig, tokens: int) -> int:
     """Optimizer steps of one epoch. Packs are counted as train tokens / pack_tokens; greedy packing leaves gaps,
     so there are more and this errs low."""
     tc = cfg.train
@@ -446,13 +446,13 @@ def steps_per_epoch(cfg: PipelineConfig, tokens: int) -> int:
 def epochs_read(cfg: PipelineConfig, tokens: int) -> int:
     """Epochs of train data the trainer reads: train.epochs, or max_steps over the steps of one epoch."""
     tc = cfg.train
-    return -(-tc.max_steps // steps_per_epoch(cfg, tokens)) if tc.max_steps else tc.epochs
+    return -(-tc.max_steps // estimated_steps_per_epoch(cfg, tokens)) if tc.max_steps else tc.epochs
 
 
 def steps_share(cfg: PipelineConfig, tokens: int) -> float:
     """The share of train.epochs' steps the trainer takes: below 1 where max_steps ends it earlier."""
     tc = cfg.train
-    full = tc.epochs * steps_per_epoch(cfg, tokens)
+    full = tc.epochs * estimated_steps_per_epoch(cfg, tokens)
     return min(1.0, tc.max_steps / full) if tc.max_steps else 1.0
 
 

@@ -60,21 +60,24 @@ from tasks.extract import (
 from tasks.train import UserInputError
 
 
-class Stage(NamedTuple):
+class StageTask(NamedTuple):
+    """A stage as a flow runs it: its Prefect task, manifest, artifacts and log line (the library's face of the
+    stage is eagle3.stage.Stage)."""
+
     task: Any                                # the Prefect task that runs the stage: tasks.<name>.<name>_task
     manifest: type                           # what it writes last, and returns
     publish: Callable[[Any, str], None]      # its artifacts, made by the flow that ran it: tasks.<name>.publish
     headline: Callable[[Any], str]           # its key figures in one line, for the log
 
 
-def _stage(name: str) -> Stage:
+def _stage(name: str) -> StageTask:
     t = importlib.import_module(f"tasks.{name}")
-    return Stage(getattr(t, f"{name}_task"), LIBRARY[name].manifest, t.publish, LIBRARY[name].headline)
+    return StageTask(getattr(t, f"{name}_task"), LIBRARY[name].manifest, t.publish, LIBRARY[name].headline)
 
 
 STAGES = {name: _stage(name) for name in LIBRARY}  # every registered stage, in pipeline order
 GPU_STAGES = tuple(name for name, s in LIBRARY.items() if s.gpu)
-ONLINE = {"produce": Stage(produce_task, SpooledStates, publish_spool, spool_headline)}  # runs beside train
+ONLINE = {"produce": StageTask(produce_task, SpooledStates, publish_spool, spool_headline)}  # runs beside train
 TABLE = {**STAGES, **ONLINE}  # what a hop or a stage flow may run
 
 

@@ -143,7 +143,7 @@ def test_plan_covers_every_step_in_order_and_fits_the_budget():
     rnd = random.Random(0)
     src = _source([rnd.randint(20, 300) for _ in range(200)], [rnd.randint(20, 300) for _ in range(12)])
     order = TrainConfig(pack_tokens=512, epochs=3, grad_accum=2).read_order(2)
-    p = sp.plan(src, order, 1_500_000, 100)
+    p = sp.plan_spool(src, order, 1_500_000, 100)
     steps = list(sp.step_rows(src.lengths["train"], order))
     assert p.total_steps == len(steps) and p.train[0].first == 0 and p.train[-1].end == len(steps)
     assert len(p.train) > 10
@@ -156,13 +156,13 @@ def test_plan_covers_every_step_in_order_and_fits_the_budget():
     assert all(p.val.bytes + a.bytes + b.bytes <= p.spool_bytes for a, b in zip(p.train, p.train[1:], strict=False))
     assert p.val.rows == sorted({i for pk in sp.epoch_packs(src.lengths["val"], 0, -1, 512) for i in pk})
     # the plan is a pure function of its inputs; the order's fields and the budget are in its key
-    assert sp.plan(src, order, 1_500_000, 100).key == p.key
-    assert sp.plan(src, TrainConfig(pack_tokens=512, epochs=3, grad_accum=2, seed=1).read_order(2),
+    assert sp.plan_spool(src, order, 1_500_000, 100).key == p.key
+    assert sp.plan_spool(src, TrainConfig(pack_tokens=512, epochs=3, grad_accum=2, seed=1).read_order(2),
                    1_500_000, 100).key != p.key
-    assert sp.plan(src, order, 2_000_000, 100).key != p.key
+    assert sp.plan_spool(src, order, 2_000_000, 100).key != p.key
     # two producers: windows of a third of the room, so two are written while the trainer reads a third; the
     # trainer learns the number from plan.json, and it is in the key
-    two = sp.plan(src, order, 1_500_000, 100, producers=2)
+    two = sp.plan_spool(src, order, 1_500_000, 100, producers=2)
     assert len(two.train) > len(p.train) and two.key != p.key and two.to_json()["producers"] == 2
     assert all(two.val.bytes + a.bytes + b.bytes + c.bytes <= two.spool_bytes
                for a, b, c in zip(two.train, two.train[1:], two.train[2:], strict=False))
@@ -174,7 +174,7 @@ def test_plan_refuses_a_budget_that_cannot_hold_one_step():
     with pytest.raises(ValueError, match=r"spool_bytes 20,000 is too small: optimizer step 0 alone reads 2 samples "
                                          r"\(24,352 bytes stored\) beside the val shard \(14,352 bytes\); give it "
                                          r"at least 63,056 bytes"):
-        sp.plan(src, TrainConfig(pack_tokens=200, epochs=1).read_order(1), 20_000, 100)
+        sp.plan_spool(src, TrainConfig(pack_tokens=200, epochs=1).read_order(1), 20_000, 100)
 
 
 def test_the_cap_counts_every_reservation_and_the_trainer_waits_on_the_window_owner(tmp_path):
@@ -182,7 +182,7 @@ def test_the_cap_counts_every_reservation_and_the_trainer_waits_on_the_window_ow
     twice) until released; the trainer waiting for a window fails once that window's producer is silent, though
     another beats, and on any producer's error."""
     src = _source([100] * 40, [50] * 4)
-    p = sp.plan(src, TrainConfig(pack_tokens=200, epochs=1).read_order(1), 200_000, 100, producers=2)
+    p = sp.plan_spool(src, TrainConfig(pack_tokens=200, epochs=1).read_order(1), 200_000, 100, producers=2)
     s = sp.Spool(tmp_path)
     (tmp_path / "shards").mkdir()
     (tmp_path / p.train[0].file).write_bytes(b"x" * 1000)  # committed shard of window 0
@@ -321,12 +321,12 @@ def test_two_producers_equal_one_bitwise_share_the_cap_and_resume_a_kill(stages,
     assert not list((spool / "shards").iterdir()) and not list(spool.glob("*.reserve"))
 
 
-def _plan(spool: Path) -> sp.Plan:
+def _plan(spool: Path) -> sp.SpoolPlan:
     """The trainer's plan of this spool, once the producer wrote source.json."""
     from eagle3.storage.store import bytes_per_token
 
     order = TrainConfig(**TRAIN).read_order(TRAIN["nproc_per_node"])
-    return sp.plan(SpoolSource.read(spool), order, SPOOL, bytes_per_token(3, 64, "fp32"))
+    return sp.plan_spool(SpoolSource.read(spool), order, SPOOL, bytes_per_token(3, 64, "fp32"))
 
 
 def test_a_trainer_of_another_read_order_is_refused_by_name(stages, tiny_llama_dir):

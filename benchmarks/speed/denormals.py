@@ -85,7 +85,7 @@ def child(a: argparse.Namespace) -> dict[str, float]:
 
     def steps(n: int) -> float:
         run.pos = loop.Pos()
-        meter, dt = loop.Meter(cfg.ttt_steps), 0.0
+        meter, dt = loop.LossSums(cfg.ttt_steps), 0.0
         for _ in range(n):
             t0 = time.perf_counter()
             run.backward_rows(packs, meter)

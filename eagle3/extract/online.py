@@ -33,13 +33,13 @@ from eagle3.storage.spool import (
     PRODUCER_BEAT,
     TRAINER_BEAT,
     Order,
-    Plan,
     Spool,
+    SpoolPlan,
     Waiter,
     Window,
     alone,
     beating,
-    plan,
+    plan_spool,
     producer_name,
     reporting,
     window_key,
@@ -98,7 +98,7 @@ def produce(model: str | Path, prepared: str | Path, spool: str | Path, cfg: Ext
 class Producer:
     """One producer run: the plan, the samples, the backend (built on first use) and the run's counters."""
 
-    def __init__(self, spool: Spool, p: Plan, source: SpoolSource, samples: Samples, target: Target,
+    def __init__(self, spool: Spool, p: SpoolPlan, source: SpoolSource, samples: Samples, target: Target,
                  cfg: ExtractConfig, wait_s: float, backend: Backend | None, part: int = 0):
         self.spool, self.plan, self.source, self.samples, self.target = spool, p, source, samples, target
         self.cfg, self.backend, self.part = cfg, backend, part
@@ -131,7 +131,7 @@ class Producer:
         layer_ids = target.layer_ids(cfg.aux_layer_ids)
         source = spool_source(fp, model, target, layer_ids, cfg.storage, samples).seal()  # the plan keys on it
         bpt = bytes_per_token(len(layer_ids) - 1, target.hidden_size, cfg.storage)
-        p = plan(source, order, spool_bytes, bpt, cfg.workers)
+        p = plan_spool(source, order, spool_bytes, bpt, cfg.workers)
         run = cls(Spool(root), p, source, samples, target, cfg, wait_s, backend, part)
         (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
         spool = run.spool

@@ -130,7 +130,7 @@ class Window:
 
 
 @dataclass
-class Plan:
+class SpoolPlan:
     """Every window of a run, val first; `key` names the whole plan (and so the source, order and budget)."""
 
     spool_bytes: int
@@ -189,7 +189,8 @@ def producer_name(part: int, producers: int) -> str:
     return "producer" if producers == 1 else f"producer-{part}"
 
 
-def plan(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_token: int, producers: int = 1) -> Plan:
+def plan_spool(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_token: int,
+               producers: int = 1) -> SpoolPlan:
     """Cut the run's train reads into windows that fit the budget beside the val shard, `producers` + 1 at once
     (see the module doc). A budget that cannot hold the val shard and the largest single step is an error that
     says what fits."""
@@ -227,12 +228,12 @@ def plan(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_token: i
                 f"give it at least {(producers + 1) * need + (val.bytes if val else 0):,} bytes to overlap "
                 f"{'two' if producers == 1 else producers + 1} windows")
     cut(step + 1)
-    p = Plan(spool_bytes, order, step + 1, val, windows, producers)
+    p = SpoolPlan(spool_bytes, order, step + 1, val, windows, producers)
     p.key = sha256_json({"source": source.fingerprint, **{k: v for k, v in p.to_json().items() if k != "key"}})
     return p
 
 
-def window_key(p: Plan, w: Window) -> str:
+def window_key(p: SpoolPlan, w: Window) -> str:
     """What a window's shard holds: the plan's source and the window's samples (its bytes follow from them)."""
     return sha256_json({"plan": p.key, "split": w.split, "rows": w.rows})
 
@@ -363,7 +364,7 @@ class Spool:
         except (FileNotFoundError, ValueError):
             return None
 
-    def committed(self, p: Plan, w: Window) -> dict[str, Any] | None:
+    def committed(self, p: SpoolPlan, w: Window) -> dict[str, Any] | None:
         """The commit record of window `w` when its shard is on disk with this plan's key, else None."""
         try:
             rec = json.loads((self.root / w.record).read_text())
@@ -371,7 +372,7 @@ class Spool:
             return None
         return rec if rec.get("key") == window_key(p, w) and (self.root / w.file).is_file() else None
 
-    def commit(self, p: Plan, w: Window, sha256: str) -> int:
+    def commit(self, p: SpoolPlan, w: Window, sha256: str) -> int:
         """Record window `w`'s shard as whole (after its atomic write); returns its size."""
         n = (self.root / w.file).stat().st_size
         if n > w.bytes:  # the budget check planned with w.bytes: a larger shard would break the cap
@@ -449,7 +450,7 @@ class SpoolReader:
     Train: `at(step)` opens the window that step reads (waiting for the producer), after every rank has
     left the one before (`barrier`); rank 0 then moves position.json, so the producer may delete it."""
 
-    def __init__(self, spool: Spool, plan: Plan, split: str, lengths: list[int], wait: list[Waiter], main: bool,
+    def __init__(self, spool: Spool, plan: SpoolPlan, split: str, lengths: list[int], wait: list[Waiter], main: bool,
                  barrier: Callable[[], None]):
         self.spool, self.plan, self.split, self.lengths = spool, plan, split, lengths
         self.wait, self.main, self.barrier = wait, main, barrier
@@ -497,7 +498,7 @@ class SpoolReader:
         return as_sample(sid, {name: t[off: off + n] for name, t in self._tensors.items()})
 
 
-def wait_plan(spool: Spool, mine: Plan, wait: Waiter) -> None:
+def wait_plan(spool: Spool, mine: SpoolPlan, wait: Waiter) -> None:
     """Wait until the producer's plan.json is `mine`. A different one written by a live producer (it starts
     beating after writing its plan) is an error naming both; one a dead producer left is waited past."""
 
@@ -526,13 +527,13 @@ def wait_source(root: Path, wait_s: float) -> SpoolSource:
 
 
 def reader_pair(root: Path, source: SpoolSource, order: Order, wait_s: float, main: bool,
-                barrier: Callable[[], None], bytes_per_token: int) -> tuple[Plan, SpoolReader, SpoolReader | None]:
+                barrier: Callable[[], None], bytes_per_token: int) -> tuple[SpoolPlan, SpoolReader, SpoolReader | None]:
     """The trainer's plan (checked against the producer's) and its train and val readers."""
     spool = Spool(root)
     wait = Waiter(spool.root, PRODUCER_BEAT, wait_s, "the producer's plan", PRODUCER_ERRORS)
     found = wait(spool.read_plan)
     n = found.get("producers", 1)  # the budget and the number of producers: the producers' (plan.json)
-    p = plan(source, order, found["spool_bytes"], bytes_per_token, n)
+    p = plan_spool(source, order, found["spool_bytes"], bytes_per_token, n)
     wait_plan(spool, p, wait)
     shards = [Waiter(spool.root, f"{producer_name(k, n)}.beat", wait_s, "the next shard", PRODUCER_ERRORS)
               for k in range(n)]

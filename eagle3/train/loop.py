@@ -36,7 +36,7 @@ from eagle3.train import distributed as dist
 from eagle3.train import optim
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch, val_packs
 from eagle3.train.loss import TargetHead, TTTLossOutput, scored, step_weights, ttt_loss_fused
-from eagle3.train.metrics import Meter, TensorBoard, chain_acceptance, plot_curves
+from eagle3.train.metrics import LossSums, TensorBoard, chain_acceptance, plot_curves
 
 log = logging.getLogger("eagle3.train")
 METRICS = "metrics.jsonl"
@@ -194,7 +194,7 @@ def validate(model, head, store, cfg: TrainConfig, world: dist.Dist, amp, cache:
         return {}
     lengths = store.lengths
     packs = val_packs(lengths, cfg.seed, cfg.pack_tokens, cfg.val_max_packs)
-    m = Meter(cfg.ttt_steps)
+    m = LossSums(cfg.ttt_steps)
     model.eval()
     # Every rank runs as many passes (a DDP forward broadcasts buffers, an FSDP one gathers shards: both are
     # collectives): with fewer packs than ranks, or a remainder, a rank repeats a pack and does not count it.
@@ -324,7 +324,7 @@ class Pace:
 
     bar: Any
     tty: bool
-    meter: Meter
+    meter: LossSums
     t_win: float
     t_start: float
     step_start: int
@@ -367,7 +367,7 @@ class Run:
         # embedding, so there the head keeps its own.
         shared = self.draft.embed_tokens.weight.detach() if ver.tied_embeddings and not cfg.fsdp else None
         self.head = TargetHead.from_verifier(verifier_dir, lm_head=shared).to(world.device)
-        self.plan: spool.Plan | None = None  # online: the spool's windows
+        self.plan: spool.SpoolPlan | None = None  # online: the spool's windows
         if wait_s is None:
             self.train_store = open_store(hidden_dir, "train")
             self.val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
@@ -468,7 +468,7 @@ class Run:
         bar = tqdm(total=self.total, initial=self.pos.step, unit="step", desc="train",
                    disable=not (progress and self.world.main and tty), dynamic_ncols=True, mininterval=2.0)
         t_start = time.perf_counter()
-        pace = Pace(bar, tty, Meter(self.cfg.ttt_steps), time.perf_counter(), t_start, self.pos.step)
+        pace = Pace(bar, tty, LossSums(self.cfg.ttt_steps), time.perf_counter(), t_start, self.pos.step)
         pos = self.pos
         self.model.train()
         while pos.step < self.total:
@@ -503,7 +503,7 @@ class Run:
         if pos.step % cfg.ckpt_every == 0 and pos.step < self.total:
             self.save(f"step-{pos.step:08d}")
 
-    def backward_rows(self, packs: list[list[int]], meter: Meter) -> None:
+    def backward_rows(self, packs: list[list[int]], meter: LossSums) -> None:
         """Forward and backward this rank's `grad_accum` rows of the step at `pos.epoch_step`, each row's loss
         scaled by 1/grad_accum; DDP all-reduces the gradients on the last row's backward only (`no_sync`)."""
         cfg, world = self.cfg, self.world
@@ -531,7 +531,7 @@ class Run:
                 pace.t_said = time.perf_counter()
                 log.info("train step %d/%d  loss %.4f  acc %s  %.0f tok/s  ETA %s", pos.step, total, w["loss"],
                          [round(x, 3) for x in w["acc"]], rec["tokens_per_s"], pace.eta(pos.step, total))
-        pace.meter, pace.t_win = Meter(self.cfg.ttt_steps), time.perf_counter()
+        pace.meter, pace.t_win = LossSums(self.cfg.ttt_steps), time.perf_counter()
 
     def run_validation(self) -> None:
         """Validate at `pos.step` (all ranks): loss, top-1 and simulated tau, plus replay tau with a replay set;

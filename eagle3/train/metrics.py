@@ -27,7 +27,7 @@ def chain_acceptance(out) -> tuple[float, float, list[float]]:
     return float(chain.sum()), float(out.count[0]), [float(c) for c in chain.sum((1, 2))]
 
 
-class Meter:
+class LossSums:
     """Sums of per-row loss outputs; `reduce` sums them over ranks and forms the means."""
 
     def __init__(self, k: int):
