@@ -215,7 +215,7 @@ class TrainConfig(_Cfg):
         1.0, ge=0.0, description="lm_head's learning rate as a multiple of lr; 0 freezes it. The head starts as the "
         "target's own rows, which already map a final state to the target's tokens (EAGLE-1 froze it)")
     norm_init: Literal["ones", "target"] = Field(
-        "ones", description="the draft's final `norm` starts at ones or at the target's final norm weight: the copied "
+        "ones", description="the draft's final norm starts at ones or at the target's final norm weight: the copied "
         "lm_head was trained to read states scaled by that norm")
     zero_init_residual: bool = Field(
         False, description="o_proj and down_proj start at zero (Medusa's residual blocks): the layer starts as the "
