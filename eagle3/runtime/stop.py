@@ -132,7 +132,8 @@ def run_child(cmd: list[str], on_line: Callable[[str], None] | None = None,
     """Run `cmd` in a process group of its own (setsid) and return its exit status; its output lines go to
     `on_line` (None: inherited). If this thread is stopped (an exception, `Stopped` included) or STOP is set by
     another thread, the child gets SIGTERM, then its whole process group SIGKILL after GRACE_S, before this
-    returns or raises: no rank outlives its parent. `writes`: the dirs the child writes, swept of its temp files on a hard stop."""
+    returns or raises: no rank outlives its parent. `writes`: the dirs the child writes, swept of its temp files
+    on a hard stop."""
     pipe = subprocess.PIPE if on_line else None
     p = subprocess.Popen(cmd, stdout=pipe, stderr=subprocess.STDOUT if on_line else None, text=True, bufsize=1,
                          env=env, start_new_session=True)
