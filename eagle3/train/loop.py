@@ -84,15 +84,17 @@ def build_draft(cfg: TrainConfig, hidden: HiddenStates, verifier_dir: Path) -> E
     )
     torch.manual_seed(cfg.seed)  # same init on every rank and every rerun
     draft = Eagle3Draft.from_verifier(dcfg, verifier_dir)
-    init_levers(draft, cfg, verifier_dir)
     if cfg.init_from:
-        warm_start(draft, Path(cfg.init_from))
+        warm_start(draft, Path(cfg.init_from))  # its weights replace any initialisation switch
+    else:
+        init_levers(draft, cfg, verifier_dir)
+    freeze(draft, cfg)
     return draft
 
 
 def init_levers(draft: Eagle3Draft, cfg: TrainConfig, verifier_dir: Path) -> None:
-    """The initialisation switches of `cfg` (norm_init, zero_init_residual, zero_aux, a frozen head), applied to a
-    fresh draft; the same on every rank, as they read only the config and the verifier."""
+    """The initialisation switches of `cfg` (norm_init, zero_init_residual) on a fresh draft; the same on every
+    rank, as they read only the config and the verifier."""
     with torch.no_grad():
         if cfg.norm_init == "target":
             from safetensors import safe_open
@@ -100,12 +102,17 @@ def init_levers(draft: Eagle3Draft, cfg: TrainConfig, verifier_dir: Path) -> Non
             with safe_open(str(verifier_dir / VERIFIER_FILE), "pt") as f:
                 draft.norm.weight.copy_(f.get_tensor("norm"))  # [H]: the target's final RMSNorm weight
         if cfg.zero_init_residual:
-            layer = draft.midlayer
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        if cfg.zero_aux:
+            draft.midlayer.self_attn.o_proj.weight.zero_()
+            draft.midlayer.mlp.down_proj.weight.zero_()
+
+
+def freeze(draft: Eagle3Draft, cfg: TrainConfig) -> None:
+    """What `cfg` keeps fixed through training, warm start or not: fc at zero (zero_aux, the diagnostic), the head
+    at its starting rows (head_lr_scale 0)."""
+    if cfg.zero_aux:
+        with torch.no_grad():
             draft.fc.weight.zero_()
-            draft.fc.weight.requires_grad_(False)
+        draft.fc.weight.requires_grad_(False)
     if cfg.head_lr_scale == 0:
         draft.lm_head.weight.requires_grad_(False)
 
