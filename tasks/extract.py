@@ -2,7 +2,6 @@
 shard plan, then the commit) and produce (online, into the trainer's spool)."""
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -42,24 +41,29 @@ def publish(m: HiddenStates, out: str) -> None:
                           description="eagle3 extract: tokens, tok/s, bytes, shards")
 
 
-def _pace(log, what: str):
-    """The `progress(done, total)` callback of an extraction: a progress artifact (every 5 s), a log line every
-    20 s with tok/s and an ETA (`progress.meter`; inside `progress.meter.ticking()` also after 25 s without
-    one, within a long batch), and the drill's injected failure halfway (when EAGLE3_FAIL_ONCE asks for one)."""
-    art = create_progress_artifact(0.0, description=f"eagle3 {what}: share of tokens done")
+def _pace(log, what: str, cap: int | None = None):
+    """The `progress(done, total[, spool_now])` callback of an extraction (`cap` None) or a producer (`cap`: the
+    spool's byte cap): a progress artifact (every 5 s, and at the end), a log line every 20 s with tok/s and an
+    ETA (`progress.meter`; inside `progress.meter.ticking()` also after 25 s without one: within a long batch,
+    or a producer waiting for the trainer to make room), the spool's bytes now / its cap for a producer, and
+    the drill's injected failure halfway (when EAGLE3_FAIL_ONCE asks for one)."""
+    kind = "produce" if cap is not None else "extract"
+    share = "share of tokens produced" if cap is not None else "share of tokens done"
+    art = create_progress_artifact(0.0, description=f"eagle3 {what}: {share}")
     meter = Meter(what, 0, "tokens", say=log.info)
     last = [0.0]
 
-    def progress(done: int, total: int) -> None:
+    def progress(done: int, total: int, spool_now: int | None = None) -> None:
+        note = f"spool {spool_now:,} / {cap:,} bytes" if cap is not None and spool_now is not None else ""
         now = time.monotonic()
-        if total and (now - last[0] > 5 or done == total):
+        if total and (now - last[0] > 5 or done >= total):
             last[0] = now
-            update_progress_artifact(art, 100.0 * done / total)
+            update_progress_artifact(art, min(100.0, 100.0 * done / total),
+                                     **({"description": f"eagle3 {what}: {share}; {note}"} if note else {}))
         if total:
-            meter.total = total
-            meter.update(done)
-        if done >= total / 2:
-            fail_once("extract")  # a drill, when EAGLE3_FAIL_ONCE asks for one
+            meter.update(done, note, total=total)
+        if total and done >= total / 2:
+            fail_once(kind)  # a drill, when EAGLE3_FAIL_ONCE asks for one
 
     progress.artifact, progress.meter = art, meter
     return progress
@@ -186,52 +190,6 @@ def spool_headline(m: SpooledStates) -> str:
             f"{s.get('peak_spool_bytes', 0):,} of {m.spool_bytes:,} bytes")
 
 
-class Pace:
-    """The producer's progress as `produce` reports it (after each window): a progress artifact, and a log line
-    every LOG_EVERY seconds from a thread of its own, so that a producer waiting for the trainer to make room
-    still reports (tokens produced / total, tok/s, ETA, the spool's bytes now / its cap)."""
-
-    LOG_EVERY = 30.0
-
-    def __init__(self, log, cap: int):
-        self.log, self.cap = log, cap
-        self.art = create_progress_artifact(0.0, description="eagle3 produce: share of tokens produced")
-        self.done = self.total = self.spool_now = 0
-        self.t0 = self.shown = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._tick, name="produce progress", daemon=True)
-
-    def __call__(self, done: int, total: int, spool_now: int) -> None:
-        self.done, self.total, self.spool_now = done, total, spool_now
-        now = time.monotonic()
-        if total and (now - self.shown > 5 or done >= total):
-            self.shown = now
-            update_progress_artifact(self.art, min(100.0, 100.0 * done / total),
-                                     description=f"eagle3 produce: share of tokens produced; spool "
-                                     f"{spool_now:,} / {self.cap:,} bytes")
-        if total and done >= total / 2:
-            fail_once("produce")  # a drill, when EAGLE3_FAIL_ONCE asks for one
-
-    def line(self) -> str:
-        rate = self.done / max(time.monotonic() - self.t0, 1e-9)
-        eta = f"{max(self.total - self.done, 0) / rate:.0f} s" if rate > 0 else "n/a"
-        share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
-        return (f"produce: {self.done:,}/{self.total:,} tokens{share}, {rate:.0f} tok/s, ETA {eta}; "
-                f"spool {self.spool_now:,} / {self.cap:,} bytes")
-
-    def _tick(self) -> None:
-        while not self._stop.wait(self.LOG_EVERY):
-            self.log.info(self.line())
-
-    def __enter__(self) -> "Pace":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @cached_task(name="produce", task_run_name="produce", cache_policy=content_policy("produce", _produce_key), retries=2,
              retry_delay_seconds=10, retry_condition_fn=retry_unless_gone)
 def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
@@ -251,7 +209,8 @@ def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train:
     # what the train task (and, in this process, the other producers) hold beside this one
     engine = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     beside = train.nproc_per_node + (cfg.workers - 1) * engine if devices is not None else gpu_slots()
-    with hold_gpus(devices, beside=beside), cuda_devices(devices), Pace(log, spool_bytes) as pace:
+    pace = _pace(log, "produce", cap=spool_bytes)
+    with hold_gpus(devices, beside=beside), cuda_devices(devices), pace.meter.ticking():
         try:
             m = produce(model, prepared, out, cfg, order, spool_bytes, part=part, wait_s=wait_s, progress=pace,
                         trust_remote_code=trust_remote_code)
@@ -260,6 +219,6 @@ def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train:
                 raise PartnerGone(f"produce: the trainer of {out} has shown no sign of life for {wait_s:.0f} s; "
                                   f"{e}") from e
             raise
-    update_progress_artifact(pace.art, 100.0)  # the trainer read every window (a retry counts its own tokens)
+    update_progress_artifact(pace.artifact, 100.0)  # the trainer read every window (a retry counts its own tokens)
     log.info("produce: %s", spool_headline(m))
     return m

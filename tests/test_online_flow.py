@@ -47,28 +47,41 @@ def test_visible_devices_split_in_order_and_too_few_is_an_error(monkeypatch):
 
 
 def test_producer_logs_its_pace_while_it_waits(monkeypatch):
-    """A log line every LOG_EVERY seconds (from its own thread, so a producer blocked on a full spool still
-    reports): tokens produced / total, tok/s, ETA, the spool's bytes now / its cap."""
-    import tasks.extract as te
+    """A log line at least every 25 s (the meter's ticker, so a producer blocked on a full spool still reports):
+    tokens produced / total, tok/s, ETA, the spool's bytes now / its cap."""
+    import functools
 
+    import tasks.extract as te
+    from eagle3.runtime.progress import Meter
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    clock = Clock()
+    monkeypatch.setattr(te, "Meter", functools.partial(Meter, clock=clock))
     monkeypatch.setattr(te, "create_progress_artifact", lambda *a, **k: "artifact")
     shown: list[float] = []
     monkeypatch.setattr(te, "update_progress_artifact", lambda art, p, **k: shown.append(p))
-    monkeypatch.setattr(te.Pace, "LOG_EVERY", 0.05)
     lines: list[str] = []
 
     class Log:
         def info(self, msg, *args):
             lines.append(msg % args if args else msg)
 
-    with te.Pace(Log(), 1_500_000) as pace:
-        pace(500, 2000, 700_000)
-        time.sleep(0.3)  # no window written meanwhile: the lines keep coming
-        assert len(lines) >= 3 and shown == []  # the artifact moves every 5 s at most, and at the end
-        assert lines[-1].startswith("produce: 500/2,000 tokens (25%), ") and " tok/s, ETA " in lines[-1]
-        assert lines[-1].endswith("; spool 700,000 / 1,500,000 bytes")
-        pace(2000, 2000, 0)
-    assert shown == [100.0]
+    pace = te._pace(Log(), "produce", cap=1_500_000)
+    pace(500, 2000, 700_000)
+    for t in (10.0, 30.0, 60.0):  # no window written meanwhile: the lines keep coming
+        clock.t = t
+        pace.meter.tick()
+    assert len(lines) == 2 and shown == [25.0]  # the artifact moves every 5 s at most, and at the end
+    assert lines[-1] == "produce: 500/2,000 tokens (25%), ? tokens/s, ETA ?; spool 700,000 / 1,500,000 bytes; working"
+    clock.t = 75.0
+    pace(2000, 2000, 0)
+    assert shown == [25.0, 100.0]
+    assert lines[-1] == "produce: 2,000/2,000 tokens (100%), 20.0 tokens/s, ETA 0m00s; spool 0 / 1,500,000 bytes"
 
 
 def test_a_side_whose_partner_is_gone_is_not_retried(tmp_path):

@@ -31,20 +31,65 @@ def test_meter_says_a_line_at_most_every_20_s_and_at_the_end_with_rate_and_eta()
 
 
 def test_a_ticking_meter_talks_between_steps_longer_than_its_cadence():
-    import time
+    import threading
 
-    lines: list[str] = []
-    m = Meter("extract", 0, "tokens", say=lines.append, every_s=0.15)
-    with m.ticking(poll_s=0.02):
-        time.sleep(0.5)  # a model loading: nothing counted yet
-        m.total = 1000
-        m.update(100)
-        time.sleep(0.5)  # one long batch
-    assert lines[0].startswith("extract: 0m00s in; working")
-    assert any(x.startswith("extract: 100/1,000 tokens (10%), ") and x.endswith("; working") for x in lines)
+    clock, lines = Clock(), []
+    m = Meter("extract", 0, "tokens", say=lines.append, clock=clock)
+    clock.t = 24.0
+    m.tick()  # under 1.25 x 20 s of silence: nothing
+    assert lines == []
+    clock.t = 25.0
+    m.tick()  # a model loading: nothing counted yet
+    assert lines == ["extract: 0m25s in; working"]
+    m.update(100, total=1000)
+    clock.t = 40.0
+    m.tick()  # 15 s after the last line: the meter's own cadence, not a silence
+    assert len(lines) == 1
+    clock.t = 50.0
+    m.tick()  # one long batch
+    assert lines[-1] == "extract: 100/1,000 tokens (10%), ? tokens/s, ETA ?; working"
+    m.update(400)
+    clock.t = 75.0
+    m.tick()
+    assert lines[-1] == "extract: 400/1,000 tokens (40%), 6.0 tokens/s, ETA 1m40s; working"
+
+    # the thread polls `tick` until the block ends
+    heard = threading.Event()
+    t = Meter("load", 0, say=lambda line: heard.set(), clock=clock)
+    clock.t = 200.0
+    with t.ticking(poll_s=0.01):
+        assert heard.wait(30)
+    assert not any(th.name == "meter load" for th in threading.enumerate())
+
+
+def test_a_record_restarts_the_cadence_and_a_bar_replaces_the_lines(monkeypatch):
+    import io
+
+    clock, lines = Clock(), []
+    m = Meter("train", 100, "steps", say=lines.append, clock=clock)
+    m.update(1)
+    clock.t = 19.0
+    m.report("train step 10/100  loss 1.0")
+    clock.t = 30.0
+    m.update(20)  # 11 s after the record: no line
+    assert lines == ["train step 10/100  loss 1.0"]
+    clock.t = 39.0
+    m.update(30)
+    assert lines[-1] == "train: 30/100 steps (30%), 0.7 steps/s, ETA 1m34s"
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err = Tty()
+    monkeypatch.setattr("sys.stderr", err)
+    b = Meter("prepare", 10, "records", say=lines.append, clock=clock, bar=True)
     n = len(lines)
-    time.sleep(0.3)
-    assert len(lines) == n  # the thread ended with the block
+    for i in range(1, 11):
+        b.update(i, "kept 3")
+    b.report("a record", postfix="loss 1.0")
+    b.close()
+    assert len(lines) == n and "10/10" in err.getvalue() and "loss 1.0" in err.getvalue()
 
 
 def test_answer_rows_fit_free_memory_and_refuse_below_the_floor():

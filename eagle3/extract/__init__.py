@@ -80,17 +80,18 @@ def _produce(a) -> None:
     pipe = PipelineConfig.from_file(a.config) if a.config and "train" in load_section(a.config, "") else None
     train = (TrainConfig.model_validate(load_section(a.train_config, "train")) if a.train_config
              else pipe.train if pipe else TrainConfig())
-    from tqdm.auto import tqdm
+    from eagle3.runtime.progress import Meter
 
     spool_bytes = a.spool_bytes or (pipe.spool_bytes if pipe else PipelineConfig().spool_bytes)
-    with tqdm(unit="tok", unit_scale=True, desc="produce", dynamic_ncols=True) as bar:
-        def progress(done: int, total: int, held: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-            bar.set_postfix_str(f"spool {held / 2**20:,.1f}/{spool_bytes / 2**20:,.1f} MiB")
+    meter = Meter("produce", 0, "tokens", bar=True)
 
+    def progress(done: int, total: int, held: int) -> None:
+        meter.update(done, f"spool {held / 2**20:,.1f}/{spool_bytes / 2**20:,.1f} MiB", total=total)
+
+    with meter.ticking():
         m = produce(a.model, a.prepared, a.out, cfg, train.read_order(a.world or train.world), spool_bytes,
                     part=a.part, wait_s=a.wait_s, progress=progress, trust_remote_code=a.trust_remote_code)
+    meter.close()
     print(json.dumps({"out": a.out, "spool_bytes": m.spool_bytes, "windows": m.num_windows, **m.stats}, indent=1))
 
 

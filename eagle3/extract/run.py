@@ -37,6 +37,7 @@ import torch
 from eagle3.config import ExtractConfig
 from eagle3.model.target import Target
 from eagle3.runtime.heap import retain_freed_memory
+from eagle3.runtime.progress import Meter, silent
 from eagle3.storage.atomic import atomic_path, clean_temp_files
 from eagle3.storage.hashing import sha256_file, sha256_file_cached
 from eagle3.storage.lock import RunLock
@@ -251,7 +252,7 @@ def _extract_whole(model: Path, prepared: Path, out: Path, cfg: ExtractConfig, r
     tokens, seconds = _fill(run, cfg, progress, show_progress)
     drop_stale_shards(out, run.plans)
     index_sha = _write_index(out, run.plans)
-    man = run.manifest(fp, model, index_sha, tokens.done, seconds)
+    man = run.manifest(fp, model, index_sha, tokens, seconds)
     man.write(out)
     return man
 
@@ -264,22 +265,35 @@ def _samples(prepared: Path, cfg: ExtractConfig, target: Target) -> Samples:
 
 
 def _fill(run: "ExtractRun", cfg: ExtractConfig, progress: Progress | None,
-          show_progress: bool) -> tuple["TokenProgress", float]:
-    """Write every shard of `run` not committed yet (after checking the disk can hold them); close the backend."""
+          show_progress: bool) -> tuple[int, float]:
+    """Write every shard of `run` not committed yet (after checking the disk can hold them); close the backend.
+    Returns (tokens computed, seconds). The backends call `on_tokens(k)` after each batch: the meter moves (a
+    bar on a terminal, else a line every 20 s; silent without `show_progress`, where the caller's `progress`,
+    called as (tokens done, tokens to do), reports instead)."""
     disk_preflight(run.out, run.todo_shards(), run.n_aux, run.hidden, cfg.storage)
-    tokens = TokenProgress(run.todo_tokens(), progress, show_progress)
+    todo = run.todo_tokens()
+    meter = Meter("extract", todo, "tokens", say=None if show_progress else silent, bar=show_progress)
+    done = 0
+
+    def on_tokens(k: int) -> None:
+        nonlocal done
+        done += k
+        meter.update(done)
+        if progress is not None:
+            progress(done, todo)
+
     t0 = time.perf_counter()
     try:
         for p in run.plans:
-            run.fill_shard(p, tokens)
+            run.fill_shard(p, on_tokens)
         if run.final_check is None and run.plans:
             run.check_final(run.plans[0])  # nothing computed here (an earlier run wrote every shard)
     finally:
-        tokens.close()
+        meter.close()
         close = getattr(run.backend, "close", None)
         if close is not None:
             close()
-    return tokens, time.perf_counter() - t0
+    return done, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- several workers: ranges, then one commit
@@ -343,7 +357,7 @@ def run_range(
         run = plan_run(rdir, cfg, target, samples, prev, reuse, backend, part=(k, n))
         tokens, seconds = _fill(run, cfg, progress, show_progress)
         drop_stale_shards(rdir, run.plans)
-        part = run.manifest(fp, model, "", tokens.done, seconds)  # its shards and stats; never written as such
+        part = run.manifest(fp, model, "", tokens, seconds)  # its shards and stats; never written as such
         m = HiddenRange(config=cfg.model_dump(mode="json"), inputs=want, part=k, parts=n, shards=part.shards,
                         num_tokens=part.num_tokens, stats={**part.stats, "backend": part.backend})
         m.write(rdir)
@@ -688,29 +702,6 @@ def committed_shards(out: Path, plans: list[ShardPlan], prev: Previous) -> set[s
         else:
             committed.add(p.file)
     return committed
-
-
-class TokenProgress:
-    """The backends' `on_tokens` callback: counts the tokens this run computed (`done`), moves the bar when
-    one is shown and reports `progress(tokens done, tokens to do)` after each batch."""
-
-    def __init__(self, todo: int, progress: Progress | None, show: bool) -> None:
-        self.todo, self.done, self.progress, self.bar = todo, 0, progress, None
-        if show:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=todo, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
-
-    def __call__(self, k: int) -> None:
-        self.done += k
-        if self.bar is not None:
-            self.bar.update(k)
-        if self.progress is not None:
-            self.progress(self.done, self.todo)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def drop_stale_shards(out: Path, plans: list[ShardPlan]) -> None:

@@ -26,6 +26,7 @@ from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source,
 from eagle3.data.template import ChatRenderer, Rendered, show
 from eagle3.data.vocab import build_maps, load_maps, save_maps, select_draft_tokens
 from eagle3.model.target import Target
+from eagle3.runtime.progress import Meter, silent
 from eagle3.storage.atomic import atomic_path, clean_temp_files
 from eagle3.storage.hashing import sha256_file
 from eagle3.storage.manifests import MANIFEST, PreparedData, ShardInfo, VocabMapInfo
@@ -96,10 +97,9 @@ class _Shards:
         self.rows = []
 
 
-def _progress(total: int | None, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="conv", desc="prepare", disable=not enabled, dynamic_ncols=True, mininterval=1.0)
+def _progress(total: int | None, enabled: bool) -> Meter:
+    """Records read (of `total`, the limit, when there is one): a bar on a terminal, else a line every 20 s."""
+    return Meter("prepare", total or 0, "records", say=None if enabled else silent, bar=enabled)
 
 
 def inputs(model: str | Path, cfg: PrepareConfig, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -185,7 +185,8 @@ class _Stream:
     cfg: PrepareConfig
     setup: _Setup
     on_sample: Callable[[str, np.ndarray, np.ndarray], None] | None
-    bar: Any  # a tqdm bar, one tick per record read
+    bar: Meter  # records read
+    pace: str = ""  # tokens/s and samples kept so far, the meter's note
     t0: float = field(default_factory=time.perf_counter)
     stats: ReadStats = field(default_factory=ReadStats)
     skipped: Counter[str] = field(default_factory=Counter)
@@ -218,7 +219,7 @@ class _Stream:
                 if self.cfg.limit is not None and self.n_read >= self.cfg.limit:
                     break
                 self.n_read += 1
-                self.bar.update(1)
+                self.bar.update(self.n_read, self.pace)
                 self.admit(rec)
                 if len(self.pending) >= self.cfg.batch_size:
                     self.encode_pending()
@@ -256,7 +257,7 @@ class _Stream:
             self.keep(rid, ids, mask)
         self.pending.clear()
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.set_postfix_str(f"{self.n_tok / dt:,.0f} tok/s, kept {self.n_kept}")
+        self.pace = f"{self.n_tok / dt:,.0f} tok/s, kept {self.n_kept}"
 
     def keep(self, rid: str, ids: np.ndarray, mask: np.ndarray) -> None:
         """Add one tokenized sample to its split (by its split key), or skip it when it has nothing to train on

@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from eagle3.decoding.chains import ReplaySet, replay_counts
 from eagle3.model.draft import VERIFIER_FILE, DraftConfig, Eagle3Draft
 from eagle3.model.formats import export
 from eagle3.runtime import floats, heap
+from eagle3.runtime.progress import Meter, silent
 from eagle3.storage import spool
 from eagle3.storage.atomic import append_text, atomic_write_text
 from eagle3.storage.hashing import sha256_file
@@ -322,24 +322,11 @@ def finished(out: Path, fp: dict[str, Any]) -> TrainedDraft | None:
 
 
 @dataclass
-class Pace:
-    """The step loop's progress report: a tqdm `bar` on a terminal; without one (`tty` False: torchrun under
-    Prefect) one log line per train record instead. `meter` holds the rows since the last train record, which
-    began at `t_win`; `t_start` and `step_start` are where this process's loop began (its rate, for the ETA).
-    Without a terminal a line also goes out whenever 20 s passed since the last (`t_said`): slow steps, a long
-    log_every, and the stage still talks every 20 s; those lines are not records (metrics.jsonl stays the same)."""
+class Window:
+    """The rows since the last train record: their loss sums, and when the window began (the record's tok/s)."""
 
-    bar: Any
-    tty: bool
-    meter: LossSums
-    t_win: float
-    t_start: float
-    step_start: int
-    t_said: float = 0.0
-
-    def eta(self, step: int, total: int) -> str:
-        rate = (step - self.step_start) / max(time.perf_counter() - self.t_start, 1e-9)
-        return _eta((total - step) / max(rate, 1e-9))
+    sums: LossSums
+    t0: float = field(default_factory=time.perf_counter)
 
 
 class Run:
@@ -353,6 +340,7 @@ class Run:
     Built by `resume`: model (`TTT` wrapped for DDP / FSDP), params (its trainable parameters), opt, sched.
     Moving, and saved in every checkpoint: pos; best (the best validation so far: tau, step, metric, sim_tau,
     replay_tau); last_val (the step of the latest validation, -1 before the first).
+    Set by `fit`: window (the rows since the last train record).
     """
 
     model: nn.Module
@@ -360,6 +348,7 @@ class Run:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     tb: TensorBoard
+    window: Window
 
     def __init__(self, cfg: TrainConfig, world: dist.Dist, hidden: HiddenStates, ver: VerifierWeights,
                  hidden_dir: Path, verifier_dir: Path, out: Path, rs: ReplaySet | None, fp: dict[str, Any],
@@ -468,43 +457,38 @@ class Run:
     def fit(self, progress: bool) -> None:
         """Optimizer steps from `pos` to `total`, epoch by epoch; each epoch's end is validated (unless its
         last step just was) before the next epoch's packs are drawn."""
-        from tqdm.auto import tqdm
-
-        # A bar on a terminal; under torchrun-in-Prefect (no TTY) one log line per log step instead.
-        tty = sys.stderr.isatty()
-        bar = tqdm(total=self.total, initial=self.pos.step, unit="step", desc="train",
-                   disable=not (progress and self.world.main and tty), dynamic_ncols=True, mininterval=2.0)
-        t_start = time.perf_counter()
-        pace = Pace(bar, tty, LossSums(self.cfg.ttt_steps), time.perf_counter(), t_start, self.pos.step)
+        # A bar on a terminal; under torchrun-in-Prefect (no terminal) a log line per train record, and one at
+        # least every 20 s between them.
+        main = self.world.main
+        meter = Meter("train", self.total, "steps", say=log.info if main else silent, bar=progress and main,
+                      initial=self.pos.step)
+        self.window = Window(LossSums(self.cfg.ttt_steps))
         pos = self.pos
         self.model.train()
         while pos.step < self.total:
             packs = epoch_packs(self.lengths, self.cfg.seed, pos.epoch, self.cfg.pack_tokens)
             while pos.epoch_step < self.spe and pos.step < self.total:
-                self.step(packs, pace)
+                self.step(packs, meter)
             if pos.epoch_step >= self.spe:  # epoch end
                 if self.last_val != pos.step:
                     self.run_validation()
                 pos.epoch, pos.epoch_step = pos.epoch + 1, 0
-        bar.close()
+        meter.close()
 
-    def step(self, packs: list[list[int]], pace: Pace) -> None:
+    def step(self, packs: list[list[int]], meter: Meter) -> None:
         """One optimizer step on this epoch's `packs` (sample indices per packed row), then what falls due at
         it: the train record (every log_every steps and at the last), a validation (every val_every) and a
         checkpoint (every ckpt_every; the last step's is `finish`'s)."""
         cfg, pos = self.cfg, self.pos
         if self.plan is not None:
             self.train_store.at(pos.step)  # online: the spool window this step reads (waits for it)
-        self.backward_rows(packs, pace.meter)
+        self.backward_rows(packs, self.window.sums)
         gnorm = optimizer_step(self.params, self.opt, cfg.grad_clip, self.sched)
         pos.step += 1
         pos.epoch_step += 1
-        pace.bar.update(1)
         if pos.step % cfg.log_every == 0 or pos.step == self.total:
-            self.log_train(pace, gnorm)
-        elif not pace.tty and self.world.main and time.perf_counter() - pace.t_said >= 20:
-            pace.t_said = time.perf_counter()
-            log.info("train step %d/%d  ETA %s", pos.step, self.total, pace.eta(pos.step, self.total))
+            self.log_train(meter, gnorm)
+        meter.update(pos.step)  # after the record, which restarted the 20 s cadence
         if pos.step % cfg.val_every == 0:
             self.run_validation()
         if pos.step % cfg.ckpt_every == 0 and pos.step < self.total:
@@ -523,22 +507,21 @@ class Run:
                 (out.loss / cfg.grad_accum).backward()
             meter.add(out, None, rows=1, tokens=batch["input_ids"].numel())
 
-    def log_train(self, pace: Pace, gnorm: torch.Tensor) -> None:
-        """The train record of the rows since the last one (summed over ranks): metrics.jsonl, TensorBoard, the
-        bar's postfix, or a log line with the ETA without a terminal; then a new window."""
+    def log_train(self, meter: Meter, gnorm: torch.Tensor) -> None:
+        """The train record of the rows since the last one (summed over ranks): metrics.jsonl, TensorBoard, and
+        the meter (the bar's postfix on a terminal, else a log line with the ETA); then a new window."""
         pos, total = self.pos, self.total
-        w = pace.meter.reduce(self.world)
-        dt = time.perf_counter() - pace.t_win
+        w = self.window.sums.reduce(self.world)
+        dt = time.perf_counter() - self.window.t0
         rec = {"split": "train", "step": pos.step, "epoch": pos.epoch, "lr": self.sched.get_last_lr()[0],
                "grad_norm": float(gnorm), "tokens_per_s": w["tokens"] / max(dt, 1e-9), **w}
         if self.world.main:
             self.emit(rec)
-            pace.bar.set_postfix_str(f"loss {w['loss']:.3f} acc0 {w['acc'][0]:.3f} {rec['tokens_per_s']:,.0f} tok/s")
-            if not pace.tty:
-                pace.t_said = time.perf_counter()
-                log.info("train step %d/%d  loss %.4f  acc %s  %.0f tok/s  ETA %s", pos.step, total, w["loss"],
-                         [round(x, 3) for x in w["acc"]], rec["tokens_per_s"], pace.eta(pos.step, total))
-        pace.meter, pace.t_win = LossSums(self.cfg.ttt_steps), time.perf_counter()
+            acc = [round(x, 3) for x in w["acc"]]
+            meter.report(f"train step {pos.step}/{total}  loss {w['loss']:.4f}  acc {acc}  "
+                         f"{rec['tokens_per_s']:.0f} tok/s  ETA {meter.eta()}",
+                         postfix=f"loss {w['loss']:.3f} acc0 {acc[0]:.3f} {rec['tokens_per_s']:,.0f} tok/s")
+        self.window = Window(LossSums(self.cfg.ttt_steps))
 
     def run_validation(self) -> None:
         """Validate at `pos.step` (all ranks): loss, top-1 and simulated tau, plus replay tau with a replay set;
@@ -612,12 +595,6 @@ class Run:
                  self.precision, best.get("metric", "sim_tau").replace("_", " "), best["tau"], best["step"],
                  out / FINAL)
         return result
-
-
-def _eta(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}"
 
 
 def last_step_dir(out: Path) -> Path:
