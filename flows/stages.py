@@ -44,8 +44,9 @@ from eagle3.storage.manifests import (
     TrainedDraft,
     VerifierWeights,
 )
+from tasks._failures import Final, PartnerGone, end_failed, failure, raise_for
 from tasks._gpus import split_devices
-from tasks._online import OnlineSource, PartnerGone, pair_done, producer_inputs, reset_spool
+from tasks._online import OnlineSource, pair_done, producer_inputs, reset_spool
 from tasks.extract import (
     commit_task,
     extract_range_task,
@@ -57,7 +58,6 @@ from tasks.extract import (
     range_label,
     spool_headline,
 )
-from tasks.train import UserInputError
 
 
 class StageTask(NamedTuple):
@@ -236,12 +236,10 @@ def hop(name: str, deployment: str, params: dict, job_variables: dict | None = N
     log.info("%s: flow run %r of %s", name, run_name, deployment)
     run = follow(run.id, name, log)
     if not run.state.is_completed():
-        msg = f"stage {name}: flow run {run_name!r} of {deployment} ended {run.state.name}: {run.state.message}"
-        # a new flow run would fail the same way: training refused its input, or an online side's partner is
-        # gone for good (the retry conditions of tasks/train.py and tasks/_online.py)
-        why = run.state.message or ""
-        raise (UserInputError if "UserInputError" in why else PartnerGone if "PartnerGone" in why
-               else RuntimeError)(msg)
+        # a Final kind (the state's name) is raised as its type, which the hop's retry condition does not retry:
+        # a new flow run would fail the same way
+        raise_for(run.state, f"stage {name}: flow run {run_name!r} of {deployment} ended {run.state.name}: "
+                             f"{run.state.message}")
 
 
 def follow(run_id, name: str, log, poll: float = 2.0):
@@ -334,7 +332,7 @@ def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract
         mem = f", {peak.line()}"
     failed = [(label, f.state) for label, f in futures.items() if not f.state.is_completed()]
     if failed:  # the side that failed first is the cause; the others' PartnerGone follows from it
-        label, state = next(((lb, s) for lb, s in failed if "PartnerGone" not in (s.message or "")), failed[0])
+        label, state = next(((lb, s) for lb, s in failed if not isinstance(failure(s), PartnerGone)), failed[0])
         log.error("online: %s; raising %s's error", ", ".join(f"{m} ended {s.name}" for m, s in failed), label)
         state.result()  # raises the task's own exception
     ms = {"produce": SpooledStates.read(spool), "train": TrainedDraft.read(train_out)}  # the spool's: every producer's
@@ -355,7 +353,14 @@ def own(stage: str, out: str):
     return fresh(task.with_options(retries=0) if hopped else task, manifest_cls, out)
 
 
-def _done(stage: str, m, out: str):
+def _done(stage: str, out: str, run: Callable[[], Any]):
+    """A stage flow's body: `run()` (the stage's task), then its artifacts and headline. A `Final` failure ends
+    the flow run Failed with its kind as the state's name, which a hop raises as the same type."""
+    try:
+        m = run()
+    except Final as e:
+        get_run_logger().error("%s: %s", stage, e)
+        return end_failed(e)
     TABLE[stage].publish(m, out)
     get_run_logger().info("%s: %s", stage, TABLE[stage].headline(m))
     return m
@@ -364,13 +369,13 @@ def _done(stage: str, m, out: str):
 @flow(name="eagle3-regenerate")
 def regenerate(model: str, data: str, out: str, cfg: RegenConfig, trust_remote_code: bool = False) -> RegeneratedData:
     """Stage 0 alone: rewrite every assistant turn of a chat dataset with the target."""
-    return _done("regenerate", own("regenerate", out)(model, data, out, cfg, trust_remote_code), out)
+    return _done("regenerate", out, lambda: own("regenerate", out)(model, data, out, cfg, trust_remote_code))
 
 
 @flow(name="eagle3-prepare")
 def prepare(model: str, out: str, cfg: PrepareConfig, trust_remote_code: bool = False) -> PreparedData:
     """Stage 1 alone: tokenize and mask conversations, build the draft vocab map."""
-    return _done("prepare", own("prepare", out)(model, out, cfg, trust_remote_code), out)
+    return _done("prepare", out, lambda: own("prepare", out)(model, out, cfg, trust_remote_code))
 
 
 @flow(name="eagle3-extract")
@@ -381,9 +386,9 @@ def extract(model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list
     its commit runs in the pipeline)."""
     if part is None:
         if cfg.workers > 1:
-            return _done("extract", run_ranges(out, model=model, prepared=prepared, cfg=cfg, reuse=reuse,
-                                               trust_remote_code=trust_remote_code)[0], out)
-        return _done("extract", own("extract", out)(model, prepared, out, cfg, reuse, trust_remote_code), out)
+            return _done("extract", out, lambda: run_ranges(out, model=model, prepared=prepared, cfg=cfg, reuse=reuse,
+                                                            trust_remote_code=trust_remote_code)[0])
+        return _done("extract", out, lambda: own("extract", out)(model, prepared, out, cfg, reuse, trust_remote_code))
     hopped = FlowRunContext.get().flow_run.parent_task_run_id is not None
     t = fresh_range(out, part, cfg.workers)
     m = (t.with_options(retries=0) if hopped else t)(model, prepared, out, cfg, part, reuse, trust_remote_code)
@@ -395,7 +400,7 @@ def extract(model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list
 @flow(name="eagle3-verifier")
 def verifier(model: str, prepared: str, out: str) -> VerifierWeights:
     """Stage 3 alone: read the target's embedding, final norm and lm_head."""
-    return _done("verifier", own("verifier", out)(model, prepared, out), out)
+    return _done("verifier", out, lambda: own("verifier", out)(model, prepared, out))
 
 
 @flow(name="eagle3-train")
@@ -410,8 +415,8 @@ def train(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name:
     task = own("train", out)
     if cfg.nnodes > 1:
         task = task.with_options(task_run_name=node_name("train", node_rank))
-    return _done("train", task(hidden, verifier, out, cfg, verifier_name, model, prepared, trust_remote_code,
-                               online, devices, node_rank), out)
+    return _done("train", out, lambda: task(hidden, verifier, out, cfg, verifier_name, model, prepared,
+                                            trust_remote_code, online, devices, node_rank))
 
 
 @flow(name="eagle3-produce")
@@ -423,11 +428,11 @@ def produce(model: str, prepared: str, out: str, cfg: ExtractConfig, train: Trai
     host it takes the first devices (the trainer's flow run, on the same host, takes those after them)."""
     devices = (split_devices(cfg.tensor_parallel_size * cfg.pipeline_parallel_size, train.nproc_per_node)
                or [None, None])[0]
-    m = own("produce", out)(model, prepared, out, cfg, train, spool_bytes, wait_s, trust_remote_code, devices, part)
-    return _done("produce", m, out)
+    return _done("produce", out, lambda: own("produce", out)(model, prepared, out, cfg, train, spool_bytes, wait_s,
+                                                             trust_remote_code, devices, part))
 
 
 @flow(name="eagle3-eval")
 def evaluate(model: str, draft: str, out: str, cfg: EvalConfig, trust_remote_code: bool = False) -> EvalReport:
     """Stage 5 alone: acceptance length, speedup and the lossless check of a draft."""
-    return _done("eval", own("eval", out)(model, draft, out, cfg, trust_remote_code), out)
+    return _done("eval", out, lambda: own("eval", out)(model, draft, out, cfg, trust_remote_code))

@@ -134,6 +134,8 @@ def stage_task(stage: str, retries: int, delay: int,
                key: Callable[[dict[str, Any]], dict[str, Any]] | None = None, **kw: Any):
     """The @task of a registered stage: named after it (also in the UI's task-run list), content-keyed (by
     `key`, default `stage_key(stage)`), with explicit retries. `delay` is one number of seconds: the UI shows
-    a list of delays as "None"."""
+    a list of delays as "None". A `Final` failure (tasks/_failures.py) is not retried."""
+    from tasks._failures import retry_unless_final
+
     return cached_task(name=stage, task_run_name=stage, cache_policy=content_policy(stage, key or stage_key(stage)),
-                       retries=retries, retry_delay_seconds=delay, **kw)
+                       retries=retries, retry_delay_seconds=delay, retry_condition_fn=retry_unless_final, **kw)

@@ -78,11 +78,6 @@ def reset_spool(spool: str | Path) -> None:
         f.unlink(missing_ok=True)
 
 
-class PartnerGone(RuntimeError):
-    """One side of the pair waited its `wait_s` for the other, which showed no sign of life that long. The other
-    has ended for good (a retry of it starts within seconds), so a retry of this side would only wait again."""
-
-
 def partner_gone(spool: str | Path, beat: str, wait_s: float, since: float) -> bool:
     """Whether the other side's beat file (eagle3.storage.spool: producer.beat or trainer.beat) has been silent
     for `wait_s` seconds or more, counting from `since` (a wall-clock time) when it was never touched."""
@@ -91,12 +86,3 @@ def partner_gone(spool: str | Path, beat: str, wait_s: float, since: float) -> b
     return silent_for(Path(spool) / beat, since) >= wait_s
 
 
-def retry_unless_gone(task, task_run, state) -> bool:
-    """Retry a side of the pair that failed, unless it failed because its partner is gone (PartnerGone)."""
-    try:
-        state.result()
-    except PartnerGone:
-        return False
-    except Exception:
-        return True
-    return True

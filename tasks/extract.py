@@ -13,9 +13,10 @@ from eagle3.extract import run_extract
 from eagle3.runtime.progress import Meter
 from eagle3.storage.manifests import HiddenRange, HiddenStates, SpooledStates
 from tasks._cache import cached_task, content_policy, stage_task
+from tasks._failures import PartnerGone, retry_unless_final
 from tasks._faults import fail_once
 from tasks._gpus import cuda_devices, gpu_slots, hold_gpus
-from tasks._online import PartnerGone, partner_gone, producer_inputs, retry_unless_gone
+from tasks._online import partner_gone, producer_inputs
 
 
 def stats_table(m: HiddenStates) -> list[dict[str, Any]]:
@@ -191,7 +192,7 @@ def spool_headline(m: SpooledStates) -> str:
 
 
 @cached_task(name="produce", task_run_name="produce", cache_policy=content_policy("produce", _produce_key), retries=2,
-             retry_delay_seconds=10, retry_condition_fn=retry_unless_gone)
+             retry_delay_seconds=10, retry_condition_fn=retry_unless_final)
 def produce_task(model: str, prepared: str, out: str, cfg: ExtractConfig, train: TrainConfig, spool_bytes: int,
                  wait_s: float = SPOOL_WAIT_S, trust_remote_code: bool = False,
                  devices: list[str] | None = None, part: int | None = None) -> SpooledStates:

@@ -24,8 +24,9 @@ from eagle3.storage.manifests import HiddenStates, TrainedDraft, VerifierWeights
 from eagle3.storage.spool import PRODUCER_BEAT, wait_source
 from eagle3.train.launch import command, finished
 from tasks._cache import stage_key, stage_task
+from tasks._failures import PartnerGone, UserInputError
 from tasks._gpus import gpu_slots, hold_gpus
-from tasks._online import OnlineSource, PartnerGone, partner_gone, producer_inputs
+from tasks._online import OnlineSource, partner_gone, producer_inputs
 
 
 def _online_key(i: dict[str, Any]) -> dict[str, Any]:
@@ -94,21 +95,6 @@ def run_streamed(cmd: list[str], log, env: dict[str, str] | None = None, writes:
     return last
 
 
-class UserInputError(RuntimeError):
-    """Bad input or config: retrying cannot help."""
-
-
-def _retry(task, task_run, state) -> bool:
-    """Retry crashes and kills (the trainer resumes), not refused input nor an online producer gone for good."""
-    try:
-        state.result()
-    except (UserInputError, PartnerGone):
-        return False
-    except Exception:
-        return True
-    return True
-
-
 def metrics_table(m: TrainedDraft) -> list[dict[str, Any]]:
     v = m.val
     rows = [{"what": "optimizer steps", "value": m.steps},
@@ -140,7 +126,7 @@ def publish(m: TrainedDraft, out: str) -> None:
     create_markdown_artifact(summary_markdown(m, out), key="train-summary", description="eagle3 train: summary")
 
 
-@stage_task("train", retries=2, delay=10, key=_train_key, retry_condition_fn=_retry)
+@stage_task("train", retries=2, delay=10, key=_train_key)
 def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_name: str = "", model: str = "",
                prepared: str = "", trust_remote_code: bool = False, online: OnlineSource | None = None,
                devices: list[str] | None = None, node_rank: int = 0) -> TrainedDraft:

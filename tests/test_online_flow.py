@@ -87,8 +87,10 @@ def test_producer_logs_its_pace_while_it_waits(monkeypatch):
 def test_a_side_whose_partner_is_gone_is_not_retried(tmp_path):
     """A side that failed while its partner's beat file was silent for wait_s fails as PartnerGone, which neither
     task retries (the partner's own retries start within seconds: one silent that long has ended for good)."""
-    from tasks._online import PartnerGone, partner_gone, retry_unless_gone
-    from tasks.train import UserInputError, _retry
+    from prefect.states import Failed
+
+    from tasks._failures import PartnerGone, UserInputError, end_failed, raise_for, retry_unless_final
+    from tasks._online import partner_gone
 
     beat = tmp_path / "trainer.beat"
     now = time.time()
@@ -100,18 +102,23 @@ def test_a_side_whose_partner_is_gone_is_not_retried(tmp_path):
     beat.touch()
     assert not partner_gone(tmp_path, beat.name, 60, since=now - 1000)
 
-    class Failed:
-        def __init__(self, e):
-            self.e = e
+    def failed(e: Exception):
+        return Failed(data=e, message=str(e))
 
-        def result(self):
-            raise self.e
+    assert retry_unless_final(None, None, failed(RuntimeError("engine died")))
+    assert not retry_unless_final(None, None, failed(PartnerGone("the trainer is gone")))
+    assert retry_unless_final(None, None, failed(RuntimeError("UserInputError PartnerGone")))  # words are not kinds
+    assert not retry_unless_final(None, None, failed(UserInputError("refused")))
 
-    assert retry_unless_gone(None, None, Failed(RuntimeError("engine died")))
-    assert not retry_unless_gone(None, None, Failed(PartnerGone("the trainer is gone")))
-    assert _retry(None, None, Failed(RuntimeError("exited with status 1")))
-    assert not _retry(None, None, Failed(PartnerGone("the producer is gone")))
-    assert not _retry(None, None, Failed(UserInputError("refused")))
+    # across a hop: the stage flow's final state is named by the kind, and the hop raises that type again
+    for e in (PartnerGone("the producer is gone"), UserInputError("refused")):
+        state = end_failed(e)
+        assert state.is_failed() and state.name == e.kind
+        with pytest.raises(type(e), match="stage train"):
+            raise_for(state, "stage train: ended")
+    with pytest.raises(RuntimeError) as got:
+        raise_for(Failed(message="PartnerGone UserInputError"), "stage train: ended Failed")
+    assert type(got.value) is RuntimeError
 
 
 # ---------------------------------------------------------------- a real server
