@@ -14,7 +14,7 @@ from pydantic import Field
 from eagle3.config import PipelineConfig, PrepareConfig
 from eagle3.storage.lock import RunLock
 from eagle3.storage.manifests import EvalReport, RegeneratedData, SpooledStates, TrainedDraft
-from flows.stages import run_online, run_stage, stage_times
+from flows.stages import Times, run_online, run_stage
 from tasks.eval import results_table
 from tasks.extract import spool_table, stats_table
 from tasks.prepare import counts_table
@@ -69,33 +69,37 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
     trc = config.trust_remote_code  # the target's custom tokenizer code (Kimi) may run
     get_run_logger().info("run dir %s", config.run_dir)
     estimate = preflight(config, max_hours)
+    times: Times = {}
 
     # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/stages.py); else run here.
     prep_cfg = config.prepare
     if config.regenerate is not None:  # optional stage 0: prepare reads the target's own answers instead
-        _, prep_cfg = regenerate(config)
-    prepared = run_stage("prepare", dirs["prepare"], model=model, cfg=prep_cfg, trust_remote_code=trc)
+        _, prep_cfg = regenerate(config, times)
+    prepared = run_stage("prepare", dirs["prepare"], times=times, model=model, cfg=prep_cfg, trust_remote_code=trc)
     if config.mode == "online":  # the producer fills the extract dir, a bounded spool, while the trainer reads it
-        verifier = run_stage("verifier", dirs["verifier"], model=model, prepared=dirs["prepare"], wait_for=[prepared])
-        hidden, trained = online(config, dirs, reuse)
+        verifier = run_stage("verifier", dirs["verifier"], times=times, model=model, prepared=dirs["prepare"],
+                             wait_for=[prepared])
+        hidden, trained = online(config, dirs, reuse, times)
     else:
-        hidden = run_stage("extract", dirs["extract"], model=model, prepared=dirs["prepare"], cfg=config.extract,
-                           reuse=reuse, trust_remote_code=trc, wait_for=[prepared])
-        verifier = run_stage("verifier", dirs["verifier"], model=model, prepared=dirs["prepare"], wait_for=[prepared])
+        hidden = run_stage("extract", dirs["extract"], times=times, model=model, prepared=dirs["prepare"],
+                           cfg=config.extract, reuse=reuse, trust_remote_code=trc, wait_for=[prepared])
+        verifier = run_stage("verifier", dirs["verifier"], times=times, model=model, prepared=dirs["prepare"],
+                             wait_for=[prepared])
         # model + prepared: the train stage first answers held-out prompts with the target (its replay set)
-        trained = run_stage("train", dirs["train"], hidden=dirs["extract"], verifier=dirs["verifier"],
+        trained = run_stage("train", dirs["train"], times=times, hidden=dirs["extract"], verifier=dirs["verifier"],
                             cfg=config.train, verifier_name=model, model=model, prepared=dirs["prepare"],
                             trust_remote_code=trc, wait_for=[hidden, verifier])
     final = f"{dirs['train']}/{trained.final_dir}"
-    report = run_stage("eval", dirs["eval"], model=model, draft=final, cfg=config.eval, trust_remote_code=trc)
+    report = run_stage("eval", dirs["eval"], times=times, model=model, draft=final, cfg=config.eval,
+                       trust_remote_code=trc)
 
     # Per-run summary lives in the flow: a cached task does not re-create its artifacts.
-    summarize(config, dirs, prepared, hidden, verifier, trained, report, times_table(stage_times(), estimate))
+    summarize(config, dirs, prepared, hidden, verifier, trained, report, times_table(times, estimate))
     return {**dirs, "final": final}, report
 
 
-def online(config: PipelineConfig, dirs: dict[str, str],
-           reuse: list[str] | None) -> tuple[SpooledStates, TrainedDraft]:
+def online(config: PipelineConfig, dirs: dict[str, str], reuse: list[str] | None,
+           times: Times | None = None) -> tuple[SpooledStates, TrainedDraft]:
     """Extract and train in one step: the producer and the trainer as two tasks side by side (flows/stages.py)."""
     if reuse:
         get_run_logger().info("online: the earlier extract dirs are not read (the producer computes every window "
@@ -103,14 +107,15 @@ def online(config: PipelineConfig, dirs: dict[str, str],
     model = str(config.model)
     return run_online(dirs["extract"], dirs["train"], model=model, prepared=dirs["prepare"], extract=config.extract,
                       train=config.train, spool_bytes=config.spool_bytes, wait_s=config.spool_wait_s,
-                      verifier=dirs["verifier"], verifier_name=model, trust_remote_code=config.trust_remote_code)
+                      verifier=dirs["verifier"], verifier_name=model, trust_remote_code=config.trust_remote_code,
+                      times=times)
 
 
-def regenerate(config: PipelineConfig) -> tuple[RegeneratedData, PrepareConfig]:
+def regenerate(config: PipelineConfig, times: Times | None = None) -> tuple[RegeneratedData, PrepareConfig]:
     """Stage 0 into <run_dir>/regenerate: its manifest, and the prepare config that reads its output."""
     out = config.stage_dir("regenerate")
-    m = run_stage("regenerate", str(out), model=str(config.model), data=config.prepare.data, cfg=config.regenerate,
-                  trust_remote_code=config.trust_remote_code)
+    m = run_stage("regenerate", str(out), times=times, model=str(config.model), data=config.prepare.data,
+                  cfg=config.regenerate, trust_remote_code=config.trust_remote_code)
     return m, config.prepare.model_copy(update={"data": str(out / m.file)})
 
 

@@ -81,25 +81,16 @@ ONLINE = {"produce": StageTask(produce_task, SpooledStates, publish_spool, spool
 TABLE = {**STAGES, **ONLINE}  # what a hop or a stage flow may run
 
 
-# Each stage's wall time and peak memory, per flow run (id -> stage -> figures), for the run's closing table.
-_TIMES: dict[str, dict[str, dict[str, Any]]] = {}
+Times = dict[str, dict[str, Any]]  # stage -> its wall time and peak memory, in the order the stages ended
 
 
-def _record(stage: str, seconds: float, how: str, peak: PeakRSS | None) -> None:
-    ctx = FlowRunContext.get()
-    if ctx is None or ctx.flow_run is None:
-        return
-    _TIMES.setdefault(str(ctx.flow_run.id), {})[stage] = {
-        "seconds": seconds, "how": how, "peak_rss": peak.own if peak else None,
-        "subprocesses_rss": peak.children if peak else None}
-
-
-def stage_times() -> dict[str, dict[str, Any]]:
-    """What `run_stage` and `run_online` recorded in this flow run, in the order the stages ended (and forgets it):
-    seconds, how ("done", "cached ..."), peak_rss (this process's, per stage; None where the stage hopped to
-    another process) and subprocesses_rss (the largest child's, None when none beat an earlier one)."""
-    ctx = FlowRunContext.get()
-    return _TIMES.pop(str(ctx.flow_run.id), {}) if ctx and ctx.flow_run else {}
+def _record(times: Times | None, stage: str, seconds: float, how: str, peak: PeakRSS | None) -> None:
+    """Note a stage's figures in the run's `times` (the pipeline's closing table): seconds, how ("done",
+    "cached ..."), peak_rss (this process's, per stage; None where the stage hopped to another process) and
+    subprocesses_rss (the largest child's, None when none beat an earlier one)."""
+    if times is not None:
+        times[stage] = {"seconds": seconds, "how": how, "peak_rss": peak.own if peak else None,
+                        "subprocesses_rss": peak.children if peak else None}
 
 
 def fresh(task, manifest_cls, out):
@@ -107,9 +98,9 @@ def fresh(task, manifest_cls, out):
     return task if manifest_cls.exists(out) else task.with_options(refresh_cache=True)
 
 
-def run_stage(name: str, out: str, wait_for=None, **inputs):
-    """Run stage `name` into `out`, log its start and end with its key figures, publish its artifacts. Training
-    on several nodes (cfg.nnodes > 1) is one task per node, started together (`nodes`)."""
+def run_stage(name: str, out: str, wait_for=None, times: Times | None = None, **inputs):
+    """Run stage `name` into `out`, log its start and end with its key figures, publish its artifacts, note its
+    figures in `times`. Training on several nodes (cfg.nnodes > 1) is one task per node, started together."""
     stage, log = STAGES[name], get_run_logger()
     suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
     nnodes = inputs["cfg"].nnodes if name == "train" else 1
@@ -144,7 +135,7 @@ def run_stage(name: str, out: str, wait_for=None, **inputs):
         mem = f", {peak.line()}"
     stage.publish(m, out)
     log.info("%s: %s in %s%s: %s", name, how, hms(time.monotonic() - t0), mem, stage.headline(m))
-    _record(name, time.monotonic() - t0, how, peak)
+    _record(times, name, time.monotonic() - t0, how, peak)
     return m
 
 
@@ -276,7 +267,7 @@ def follow(run_id, name: str, log, poll: float = 2.0):
 
 def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract: ExtractConfig, train: TrainConfig,
                spool_bytes: int, wait_s: float, verifier: str, verifier_name: str = "",
-               trust_remote_code: bool = False) -> tuple[SpooledStates, TrainedDraft]:
+               trust_remote_code: bool = False, times: Times | None = None) -> tuple[SpooledStates, TrainedDraft]:
     """Online: the producers (extract.workers of them, into the spool `spool`) and the trainer (into `train_out`)
     as tasks submitted side by side, each on its deployment when the GPU stages hop; returns the spool's and the
     trainer's manifests once all ended.
@@ -341,7 +332,7 @@ def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract
         how = "cached (inputs unchanged)" if all(f.state.name == "Cached" for f in mine) else "done"
         TABLE[stage].publish(m, spool if stage == "produce" else train_out)
         log.info("%s: %s in %s%s: %s", stage, how, hms(time.monotonic() - t0), mem, TABLE[stage].headline(m))
-        _record(stage, time.monotonic() - t0, how, None if suffix else peak)
+        _record(times, stage, time.monotonic() - t0, how, None if suffix else peak)
     return ms["produce"], ms["train"]
 
 
