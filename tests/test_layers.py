@@ -156,3 +156,56 @@ def test_flow_stage_table_is_the_registry():
     assert GPU_STAGES == ("extract", "train", "eval")
     for name, s in FLOW.items():
         assert s.task.name == name and s.manifest is REGISTERED[name].manifest
+
+
+# ---------------------------------------------------------------- house rules
+def sources(*roots: str) -> list[Path]:
+    return sorted(p for r in roots for p in (REPO / r).rglob("*.py"))
+
+
+def test_one_progress_meter():
+    """Progress, rate and ETA live in eagle3/runtime/progress.py: no other module draws a bar or defines a
+    progress class of its own."""
+    home = REPO / "eagle3" / "runtime" / "progress.py"
+    found = []
+    for p in sources("eagle3", "tasks", "flows"):
+        if p == home:
+            continue
+        tree = ast.parse(p.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tqdm":
+                found.append(f"{p.relative_to(REPO)}:{node.lineno} imports tqdm")
+            if isinstance(node, ast.ClassDef) and any(w in node.name for w in ("Progress", "Pace", "Meter", "Eta")):
+                found.append(f"{p.relative_to(REPO)}:{node.lineno} class {node.name}")
+    assert not found, found
+
+
+def test_no_failure_is_classified_by_a_substring_of_its_message():
+    """A failure's kind travels as a type or a field (tasks/_failures.py), never as `"...Error" in message`."""
+    found = []
+    for p in sources("eagle3", "tasks", "flows", "deployments"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
+                    and isinstance(node.left.value, str) and any(isinstance(o, (ast.In, ast.NotIn)) for o in node.ops)
+                    and any(w in node.left.value for w in ("Error", "Gone", "Exception", "Refused"))):
+                found.append(f"{p.relative_to(REPO)}:{node.lineno} {node.left.value!r} in ...")
+    assert not found, found
+
+
+def test_flows_hold_no_module_global_mutable_state():
+    """A flow's state belongs to its run: a module-level dict, list or set in flows/ would be shared by every
+    flow run in the process (a worker runs many). Tables built once at import (names in CAPITALS) are read-only
+    by convention and allowed."""
+    found = []
+    for p in sources("flows"):
+        for node in ast.parse(p.read_text()).body:
+            targets = ([t for t in node.targets] if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else [])
+            value = getattr(node, "value", None)
+            mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+                isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                and value.func.id in ("dict", "list", "set", "defaultdict", "OrderedDict", "Counter"))
+            for t in targets:
+                if mutable and isinstance(t, ast.Name) and not t.id.isupper():
+                    found.append(f"{p.relative_to(REPO)}:{node.lineno} {t.id}")
+    assert not found, found
