@@ -85,6 +85,13 @@ class Plan:
     store_line: str = ""  # the offline store's size beside the online spool's
     host: HostSpeed = field(default_factory=HostSpeed)  # the CPU rates' scale
 
+    def refuse(self) -> "Plan":
+        """Raise PreflightError naming every problem (and the table) when the run cannot finish; else self."""
+        if self.problems:
+            raise PreflightError("preflight: this run cannot finish:\n- " + "\n- ".join(self.problems) + "\n\n"
+                                 + self.table())
+        return self
+
     def total_seconds(self) -> float:
         """Wall time of every remaining stage: their sum, with online's extract and train counted as one pair."""
         if self.pair_s is None:
@@ -562,10 +569,7 @@ def measure_host(cfg: PipelineConfig) -> HostSpeed:
 
 def check(cfg: PipelineConfig, **kw) -> Plan:
     """`plan`, raising PreflightError with every problem when the run cannot finish."""
-    p = plan(cfg, **kw)
-    if p.problems:
-        raise PreflightError("preflight: this run cannot finish:\n- " + "\n- ".join(p.problems) + "\n\n" + p.table())
-    return p
+    return plan(cfg, **kw).refuse()
 
 
 def _has_cuda() -> bool:

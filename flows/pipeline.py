@@ -122,15 +122,13 @@ def regenerate(config: PipelineConfig, times: Times | None = None) -> tuple[Rege
 def preflight(config: PipelineConfig, max_hours: float = 0.0) -> dict[str, float]:
     """Refuse to start a run that cannot finish, or would take longer than `max_hours`; show the estimate either way.
     Returns the estimated seconds of each remaining stage (on CPU scaled by this host's measured speed)."""
-    from eagle3.preflight import PreflightError, measure_host, plan
+    from eagle3.preflight import measure_host, plan
 
     p = plan(config, max_hours=max_hours, host=measure_host(config))
     create_markdown_artifact(p.markdown(), key="eagle3-preflight",
                              description="eagle3 preflight: wall time, disk and memory estimate")
     get_run_logger().info("preflight: %s; %s", p.time_line(), p.host.line())
-    if p.problems:
-        raise PreflightError("preflight: this run cannot finish:\n- " + "\n- ".join(p.problems))
-    return p.seconds
+    return p.refuse().seconds
 
 
 def times_table(times: dict[str, dict[str, Any]], estimate: dict[str, float]) -> list[dict[str, Any]]:

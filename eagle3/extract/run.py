@@ -88,7 +88,8 @@ def load_samples(prepared_dir: str | Path, prep: PreparedData, splits: Sequence[
     mask and, given the target's embedding `rows`, every id against them: an id the target has no row for
     would fail deep in its forward pass (or read another row on an engine), so it is refused here, by record."""
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+
+    from eagle3.storage.shards import read_shard
 
     s = Samples([], [], [], [], [])
     for split in splits:
@@ -96,11 +97,7 @@ def load_samples(prepared_dir: str | Path, prep: PreparedData, splits: Sequence[
             continue  # e.g. no val split in a tiny dataset
         for info in prep.splits[split]:
             path = Path(prepared_dir) / info.file
-            if not path.is_file():
-                raise ValueError(f"{path}: prepared shard listed in the manifest is missing")
-            if sha256_file_cached(path) != info.sha256:
-                raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
-            t = pq.read_table(path, columns=["sample_id", "input_ids", "loss_mask"])
+            t = read_shard(prepared_dir, info, columns=["sample_id", "input_ids", "loss_mask"])
             n_ids = pc.list_value_length(t["input_ids"]).to_pylist()
             n_mask = pc.list_value_length(t["loss_mask"]).to_pylist()
             sids = t["sample_id"].to_pylist()
@@ -185,11 +182,12 @@ def disk_preflight(out: Path, todo: list[ShardPlan], n_aux: int, hidden: int, st
 
 # ---------------------------------------------------------------- the stage
 def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig,
-           trust_remote_code: bool = False) -> dict[str, Any]:
+           trust_remote_code: bool = False, target: Target | None = None) -> dict[str, Any]:
     """What the stored states depend on: the prepared data's and the target's content, the layer ids, the
     storage and the shard plan's settings (backend, batch and parallelism settings change speed, not bytes).
-    The stage's "already done" check and the Prefect task's cache key are both this dict."""
-    target = Target.open(model, trust_remote_code)
+    The stage's "already done" check and the Prefect task's cache key are both this dict. `target`: `model`
+    already open."""
+    target = target or Target.open(model, trust_remote_code)
     return {
         "format": FORMAT_VERSION,
         "prepared": PreparedData.read(prepared).fingerprint,
@@ -240,21 +238,34 @@ def _extract_whole(model: Path, prepared: Path, out: Path, cfg: ExtractConfig, r
                    trust_remote_code: bool) -> HiddenStates:
     """One worker: every shard of the plan, straight into `out`, then the index and the manifest."""
     retain_freed_memory()  # batch after batch of the same large buffers: reuse them in place
-    target = Target.open(model, trust_remote_code)
-    fp = inputs(model, prepared, cfg, trust_remote_code)
+    target, fp = _open(model, prepared, cfg, trust_remote_code)
     prev = previous_run(out, fp)
     if prev.done is not None:
         return prev.done
-    open_out(out)
-
-    samples = _samples(prepared, cfg, target)
-    run = plan_run(out, cfg, target, samples, prev, reuse, backend)
-    tokens, seconds = _fill(run, cfg, progress, show_progress)
-    drop_stale_shards(out, run.plans)
+    run, tokens, seconds = _compute(out, prepared, cfg, target, prev, reuse, backend, progress, show_progress)
     index_sha = _write_index(out, run.plans)
     man = run.manifest(fp, model, index_sha, tokens, seconds)
     man.write(out)
     return man
+
+
+def _open(model: Path, prepared: Path, cfg: ExtractConfig, trust_remote_code: bool) -> tuple[Target, dict[str, Any]]:
+    """The target, opened once, and the stage's `inputs` (the "already done" check) read from it."""
+    target = Target.open(model, trust_remote_code)
+    return target, inputs(model, prepared, cfg, trust_remote_code, target)
+
+
+def _compute(out: Path, prepared: Path, cfg: ExtractConfig, target: Target, prev: "Previous",
+             reuse: Sequence[str | Path], backend: Backend | None, progress: Progress | None, show_progress: bool,
+             part: tuple[int, int] | None = None) -> tuple["ExtractRun", int, float]:
+    """The computing part of the whole store's and a range's run, into `out` (the store or the range's dir): the
+    samples read and checked, the shard plan (of range `part`), every shard not committed yet written, the shards
+    of an older plan dropped. Returns (the run, tokens computed, seconds)."""
+    open_out(out)
+    run = plan_run(out, cfg, target, _samples(prepared, cfg, target), prev, reuse, backend, part=part)
+    tokens, seconds = _fill(run, cfg, progress, show_progress)
+    drop_stale_shards(out, run.plans)
+    return run, tokens, seconds
 
 
 def _samples(prepared: Path, cfg: ExtractConfig, target: Target) -> Samples:
@@ -346,17 +357,12 @@ def run_range(
     model, prepared, out = Path(model), Path(prepared), Path(out)
     rdir = range_dir(out, k, n)
     with RunLock(rdir):
-        target = Target.open(model, trust_remote_code)
-        fp = inputs(model, prepared, cfg, trust_remote_code)
+        target, fp = _open(model, prepared, cfg, trust_remote_code)
         want = range_inputs(fp, k, n)
         if (done := _range_done(out, rdir, want)) is not None:
             return done
-        open_out(rdir)
-        samples = _samples(prepared, cfg, target)
-        prev = Previous()
-        run = plan_run(rdir, cfg, target, samples, prev, reuse, backend, part=(k, n))
-        tokens, seconds = _fill(run, cfg, progress, show_progress)
-        drop_stale_shards(rdir, run.plans)
+        run, tokens, seconds = _compute(rdir, prepared, cfg, target, Previous(), reuse, backend, progress,
+                                        show_progress, part=(k, n))
         part = run.manifest(fp, model, "", tokens, seconds)  # its shards and stats; never written as such
         m = HiddenRange(config=cfg.model_dump(mode="json"), inputs=want, part=k, parts=n, shards=part.shards,
                         num_tokens=part.num_tokens, stats={**part.stats, "backend": part.backend})
@@ -403,8 +409,7 @@ def commit_ranges(model: str | Path, prepared: str | Path, out: str | Path, cfg:
 
 def _commit(model: Path, prepared: Path, out: Path, cfg: ExtractConfig, trust_remote_code: bool) -> HiddenStates:
     n = cfg.workers
-    target = Target.open(model, trust_remote_code)
-    fp = inputs(model, prepared, cfg, trust_remote_code)
+    target, fp = _open(model, prepared, cfg, trust_remote_code)
     prev = previous_run(out, fp)
     if prev.done is not None:
         return prev.done

@@ -190,7 +190,7 @@ def _read_weights(d: Path) -> tuple[dict[str, torch.Tensor], str]:
     raise ValueError(f"{d}: no weights (*.safetensors or pytorch_model*.bin)")
 
 
-def _rename(name: str) -> str:
+def draft_name(name: str) -> str:
     """Any tool's EAGLE-3 tensor name -> Eagle3Draft's (vLLM native) name."""
     if name.startswith("model."):
         name = name[len("model.") :]  # vLLM-internal / some exporters
@@ -240,7 +240,7 @@ def load_draft(
         raise ValueError(f"{cpath}: not valid JSON: {e}") from None
     fmt = draft_format(cfg)
     tensors, files = _read_weights(d)
-    t = {_rename(k): v for k, v in tensors.items()}
+    t = {draft_name(k): v for k, v in tensors.items()}
     where = f"{d} ({files})"
 
     tgt = Target.open(target_dir).text

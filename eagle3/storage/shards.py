@@ -22,13 +22,19 @@ SCHEMA = pa.schema([
 ])
 
 
+def read_shard(prepared: str | Path, info, columns: list[str] | None = None) -> pa.Table:
+    """One shard the prepare manifest lists (`info`: its file and sha256), checked first: a missing file or one
+    whose checksum differs is refused with its path."""
+    path = Path(prepared) / info.file
+    if not path.is_file():
+        raise ValueError(f"{path}: prepared shard listed in the manifest is missing")
+    if sha256_file_cached(path) != info.sha256:
+        raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
+    return pq.read_table(path, columns=columns)
+
+
 def read_split(prepared: str | Path, split: str) -> pa.Table:
-    """All samples of one split as one Arrow table (verifies shard checksums)."""
+    """All samples of one split as one Arrow table (each shard checked by `read_shard`)."""
     m = PreparedData.read(prepared)
-    tables = []
-    for info in m.splits.get(split, []):
-        path = Path(prepared) / info.file
-        if sha256_file_cached(path) != info.sha256:
-            raise ValueError(f"{path}: sha256 does not match the prepare manifest (corrupt or replaced)")
-        tables.append(pq.read_table(path))
+    tables = [read_shard(prepared, info) for info in m.splits.get(split, [])]
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()

@@ -122,11 +122,12 @@ def warm_start(draft: Eagle3Draft, src: Path) -> None:
     must equal the one this run trains with (prepare with `vocab_from` the promoted run)."""
     from safetensors.torch import load_file
 
+    from eagle3.model.formats import draft_name
+
     path = src / "model.safetensors"
     if not path.is_file():
         raise ValueError(f"init_from: {path} does not exist (expected an exported draft dir, e.g. <train>/final)")
-    w = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v
-         for k, v in load_file(str(path)).items()}
+    w = {draft_name(k): v for k, v in load_file(str(path)).items()}
     if "d2t" not in w or not torch.equal(w["d2t"], draft.d2t):
         raise ValueError(f"init_from: {src} was trained with another draft vocab (d2t differs); a warm start keeps "
                          "the vocab map fixed: prepare with vocab_from=<the promoted run's prepare dir>")
