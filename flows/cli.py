@@ -18,7 +18,7 @@ def _run(a) -> None:
     if a.run_dir:
         cfg = cfg.model_copy(update={"run_dir": a.run_dir})
     if a.dry_run:
-        from eagle3.preflight import measure_host, plan
+        from eagle3.planning import measure_host, plan
 
         p = plan(cfg, host=measure_host(cfg))
         print(f"preflight for {a.config}: {p.time_line()}\n{p.host.line()}\n~{p.tokens:,} tokens\n{p.table()}")
@@ -30,7 +30,7 @@ def _run(a) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if os.environ.get("PREFECT_HOME"):  # the embedded server's SQLite file goes there; a missing dir times it out
         os.makedirs(os.path.expanduser(os.environ["PREFECT_HOME"]), exist_ok=True)
-    from eagle3.preflight import measure_host
+    from eagle3.planning import measure_host
     from flows.pipeline import pipeline
 
     # The host probe (cached per process, so the flow's preflight reuses it) runs before the embedded Prefect

@@ -122,7 +122,7 @@ def regenerate(config: PipelineConfig, times: Times | None = None) -> tuple[Rege
 def preflight(config: PipelineConfig, max_hours: float = 0.0) -> dict[str, float]:
     """Refuse to start a run that cannot finish, or would take longer than `max_hours`; show the estimate either way.
     Returns the estimated seconds of each remaining stage (on CPU scaled by this host's measured speed)."""
-    from eagle3.preflight import measure_host, plan
+    from eagle3.planning import measure_host, plan
 
     p = plan(config, max_hours=max_hours, host=measure_host(config))
     create_markdown_artifact(p.markdown(), key="eagle3-preflight",

@@ -112,7 +112,7 @@ def test_preflight_plans_extraction_over_n_hosts_as_the_largest_range():
     from pathlib import Path
 
     from eagle3.config import PipelineConfig
-    from eagle3.preflight import plan, worker_share
+    from eagle3.planning import plan, worker_share
 
     base = PipelineConfig.from_file(Path(__file__).parents[1] / "examples" / "kimi-k2.5.yaml")
     plans = {}
@@ -124,4 +124,4 @@ def test_preflight_plans_extraction_over_n_hosts_as_the_largest_range():
         assert plans[n].seconds["extract"] == pytest.approx(plans[1].seconds["extract"] * share)
         assert {k: v for k, v in plans[n].seconds.items() if k != "extract"} == \
             {k: v for k, v in plans[1].seconds.items() if k != "extract"}
-    assert any("over 16 workers" in r["what"] for r in plans[16].rows)
+    assert any("over 16 workers" in r.what for r in plans[16].rows)

@@ -101,7 +101,7 @@ def test_untouched_form_values_validate_and_empty_fields_mean_unset(schemas):
 
 
 def test_form_default_is_the_demo_preset_in_its_own_dir_within_budget(smollm2_dir):
-    from eagle3.preflight import plan
+    from eagle3.planning import plan
     from flows.pipeline import DEMO, FORM_DEFAULT
 
     demo = PipelineConfig.from_file(DEMO)

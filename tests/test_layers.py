@@ -21,7 +21,7 @@ GROUPS = [
                 "eagle3.eval"}),
     # sizes and times of a run before it starts (it runs prepare's own stream over a sample of the source); the
     # host's speed
-    ("planning", {"eagle3.preflight", "eagle3.probe"}),
+    ("planning", {"eagle3.planning", "eagle3.probe"}),
     ("commands", {"eagle3.cli", "eagle3.registry", "eagle3.checksums", "eagle3.assets"}),  # what the user runs
 ]
 # Stage packages: each may import the groups below it, never another stage.

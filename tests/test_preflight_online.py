@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from eagle3.config import PipelineConfig
-from eagle3.preflight import GIB, HEADROOM, hms, human, plan
+from eagle3.planning import GIB, HEADROOM, hms, human, plan
 
 EX = Path(__file__).resolve().parents[1] / "examples"
 RAM = 1 << 40
@@ -20,7 +20,7 @@ def llama(**update) -> PipelineConfig:
 
 
 def disk_rows(p) -> dict[str, float]:
-    return {r["stage"]: r["bytes"] for r in p.rows if r["what"] == "disk"}
+    return {r.stage: r.bytes for r in p.rows if r.what == "disk"}
 
 
 def test_an_offline_store_that_does_not_fit_recommends_online_first():
@@ -49,12 +49,12 @@ def test_the_same_config_online_with_a_spool_that_fits_passes_the_disk_check():
     assert not p.problems
     need = disk_rows(p)
     assert need["extract"] == 20 * GIB
-    rows = {(r["stage"], r["what"]): r for r in p.rows}
-    total = rows[("all", "disk (x1.1 headroom) / free")]["bytes"]
+    rows = {(r.stage, r.what): r for r in p.rows}
+    total = rows[("all", "disk (x1.1 headroom) / free")].bytes
     assert total == pytest.approx(sum(need.values()) * HEADROOM) and total / GIB == pytest.approx(47.16, abs=0.01)
     store = rows[("extract", "offline store vs online spool")]
-    assert store["bytes"] / GIB == pytest.approx(696.85, abs=0.01)
-    assert store["human"] == "696.85 GiB offline store / 20.00 GiB spool (online)"
+    assert store.bytes / GIB == pytest.approx(696.85, abs=0.01)
+    assert store.human == "696.85 GiB offline store / 20.00 GiB spool (online)"
     assert "\nHidden states: 696.85 GiB offline store / 20.00 GiB spool (online)\n" in p.markdown()
 
 
@@ -105,8 +105,8 @@ def test_each_gpu_preset_states_its_mode_and_its_store_fits_the_host(name):
     assert raw["mode"] == "offline"
     cfg = PipelineConfig.from_file(EX / f"{name}.yaml")
     p = plan(cfg, free_bytes=4 << 40, free_mem=RAM)
-    rows = {(r["stage"], r["what"]): r for r in p.rows}
-    assert not p.problems and rows[("all", "disk (x1.1 headroom) / free")]["bytes"] < (4 << 40) / 4
+    rows = {(r.stage, r.what): r for r in p.rows}
+    assert not p.problems and rows[("all", "disk (x1.1 headroom) / free")].bytes < (4 << 40) / 4
     # the preset's comment: the data could grow ~4.8x (Kimi) / ~5.3x (8B) before the store outgrows 4 TiB
     fixed = sum(b for s, b in disk_rows(p).items() if s not in ("prepare", "extract"))
     grow = ((4 << 40) / HEADROOM - fixed) / (disk_rows(p)["prepare"] + disk_rows(p)["extract"])
@@ -125,9 +125,9 @@ def test_online_would_be_slower_for_the_8b_presets(name):
 def test_kimi_online_would_share_gpus_that_have_no_room_for_the_trainer():
     cfg = PipelineConfig.from_file(EX / "kimi-k2.5.yaml")
     p = plan(cfg, free_bytes=4 << 40, free_mem=RAM)
-    rows = {(r["stage"], r["what"]): r for r in p.rows}
-    act = rows[("train", "activation memory per rank (estimate)")]["bytes"]
+    rows = {(r.stage, r.what): r for r in p.rows}
+    act = rows[("train", "activation memory per rank (estimate)")].bytes
     engine = cfg.gpu_memory_gib * GIB * cfg.extract.gpu_memory_utilization  # vLLM's share of each of the 8 GPUs
     assert act / GIB == pytest.approx(40.06, abs=0.01) and engine + act > cfg.gpu_memory_gib * GIB
-    assert rows[("extract", "offline store vs online spool")]["human"] == \
+    assert rows[("extract", "offline store vs online spool")].human == \
         "762.43 GiB offline store / 4.00 GiB spool (offline)"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import PipelineConfig
-from eagle3.preflight import GIB, PreflightError, check, plan
+from eagle3.planning import GIB, PreflightError, check, plan
 
 EX = Path(__file__).resolve().parents[1] / "examples"
 HOST = dict(free_bytes=4 << 40, free_mem=1 << 40)  # 4 TiB disk, plenty of RAM (documented in each preset)
@@ -23,10 +23,10 @@ DOCUMENTED = {
 def test_gpu_preset_passes_preflight_with_documented_figures(name):
     cfg = PipelineConfig.from_file(EX / f"{name}.yaml")
     p = check(cfg, **HOST)
-    rows = {(r["stage"], r["what"]): r for r in p.rows}
+    rows = {(r.stage, r.what): r for r in p.rows}
     hid, total, ex_min, tr_min = DOCUMENTED[name]
-    assert rows[("extract", "disk")]["bytes"] / GIB == pytest.approx(hid, rel=0.02)
-    assert rows[("all", "disk (x1.1 headroom) / free")]["bytes"] / GIB == pytest.approx(total, rel=0.02)
+    assert rows[("extract", "disk")].bytes / GIB == pytest.approx(hid, rel=0.02)
+    assert rows[("all", "disk (x1.1 headroom) / free")].bytes / GIB == pytest.approx(total, rel=0.02)
     assert p.seconds["extract"] / 60 == pytest.approx(ex_min, rel=0.1)
     assert p.seconds["train"] / 60 == pytest.approx(tr_min, rel=0.1)
     assert cfg.extract.backend == "vllm" and cfg.eval.backend == "vllm"
@@ -43,7 +43,7 @@ def test_kimi_preset_specifics():
 def test_local_moe_target_is_planned_from_its_config(family_dirs):
     """A local Kimi-layout dir: the plan reads the wrapper's text config, counts routed + shared experts
     for the total and only the routed experts per token (+ shared) for the active parameters."""
-    from eagle3.preflight import target_plan
+    from eagle3.planning import target_plan
 
     cfg = PipelineConfig(model=str(family_dirs["kimi-k2.5"]), trust_remote_code=True)
     t = target_plan(cfg)
@@ -76,9 +76,9 @@ def test_full_smollm2_preset_fits_a_dev_box_in_fp8_aux_only(smollm2_dir):
     cfg = PipelineConfig.from_file(EX / "smollm2-sharegpt-full.yaml")
     assert cfg.prepare.limit is None and cfg.extract.storage == "fp8-aux"
     p = check(cfg, free_bytes=50 * GIB, free_mem=20 * GIB)
-    rows = {(r["stage"], r["what"]): r for r in p.rows}
-    assert rows[("extract", "disk")]["bytes"] / GIB == pytest.approx(36, rel=0.03)
-    assert rows[("all", "disk (x1.1 headroom) / free")]["bytes"] / GIB == pytest.approx(40, rel=0.03)
+    rows = {(r.stage, r.what): r for r in p.rows}
+    assert rows[("extract", "disk")].bytes / GIB == pytest.approx(36, rel=0.03)
+    assert rows[("all", "disk (x1.1 headroom) / free")].bytes / GIB == pytest.approx(40, rel=0.03)
     bf16 = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"storage": "bf16"})})
     with pytest.raises(PreflightError, match="disk"):
         check(bf16, free_bytes=50 * GIB, free_mem=20 * GIB)

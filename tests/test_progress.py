@@ -132,7 +132,7 @@ def test_preflight_scales_cpu_stages_by_the_host_and_checks_the_eval_memory(smol
     from pathlib import Path
 
     from eagle3.config import PipelineConfig
-    from eagle3.preflight import GIB, plan
+    from eagle3.planning import GIB, plan
     from eagle3.probe import HostSpeed
 
     demo = PipelineConfig.from_file(Path(__file__).parents[1] / "examples" / "smollm2-sharegpt.yaml")
@@ -152,10 +152,10 @@ def test_preflight_scales_cpu_stages_by_the_host_and_checks_the_eval_memory(smol
     # max_steps ends training early: the estimate takes that share of the epochs' steps (the replay set stays)
     short = demo.model_copy(update={"train": demo.train.model_copy(update={"max_steps": 20})})
     assert plan(short, free_bytes=1 << 50, free_mem=1 << 40).seconds["train"] < 0.25 * ref.seconds["train"]
-    need = next(r["bytes"] for r in ref.rows if r["what"].startswith("memory of the replay answers, 80 rows"))
+    need = next(r.bytes for r in ref.rows if r.what.startswith("memory of the replay answers, 80 rows"))
     assert 6 * GIB < need < 10 * GIB  # the demo's build peaked at 8.5-10.8 GiB measured
     tight = plan(demo, free_bytes=1 << 50, free_mem=int(need * 0.6))
-    assert not tight.problems and any("smaller batches" in r["what"] for r in tight.rows)
+    assert not tight.problems and any("smaller batches" in r.what for r in tight.rows)
     refused = plan(demo, free_bytes=1 << 50, free_mem=int(1.5 * GIB))
     assert any(x.startswith("memory: the eval's replay answers need") for x in refused.problems)
 

@@ -44,7 +44,7 @@ def test_run_dir_date_is_expanded_once():
 
 
 def test_preflight_states_wall_time_first_and_refuses_over_budget(smollm2_dir):
-    from eagle3.preflight import plan
+    from eagle3.planning import plan
 
     demo = PipelineConfig.from_file(EX / "smollm2-sharegpt.yaml").model_copy(update={"run_dir": "runs/none-yet"})
     p = plan(demo, max_hours=1.0)
