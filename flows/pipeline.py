@@ -14,7 +14,8 @@ from pydantic import Field
 from eagle3.config import PipelineConfig, PrepareConfig
 from eagle3.storage.lock import RunLock
 from eagle3.storage.manifests import EvalReport, RegeneratedData, SpooledStates, TrainedDraft
-from flows.stages import Times, run_online, run_stage
+from flows.online import run_online
+from flows.stages import Times, run_stage
 from tasks.eval import results_table
 from tasks.extract import spool_table, stats_table
 from tasks.prepare import counts_table
@@ -71,7 +72,7 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
     estimate = preflight(config, max_hours)
     times: Times = {}
 
-    # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/stages.py); else run here.
+    # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/hop.py); else run here.
     prep_cfg = config.prepare
     if config.regenerate is not None:  # optional stage 0: prepare reads the target's own answers instead
         _, prep_cfg = regenerate(config, times)
@@ -100,7 +101,7 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
 
 def online(config: PipelineConfig, dirs: dict[str, str], reuse: list[str] | None,
            times: Times | None = None) -> tuple[SpooledStates, TrainedDraft]:
-    """Extract and train in one step: the producer and the trainer as two tasks side by side (flows/stages.py)."""
+    """Extract and train in one step: the producer and the trainer as two tasks side by side (flows/online.py)."""
     if reuse:
         get_run_logger().info("online: the earlier extract dirs are not read (the producer computes every window "
                               "the trainer reads): %s", ", ".join(reuse))

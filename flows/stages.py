@@ -1,39 +1,23 @@
-"""Every stage as its own flow, so that a deployment can place it on another work pool.
+"""Every stage as its own flow, so that a deployment can place it on another work pool, and `run_stage`: how the
+pipeline and the nightly flow call a stage.
 
-`run_stage` is how the pipeline and the nightly flow call a stage: in their own process by
-default (`eagle3 run`), or, when EAGLE3_GPU_DEPLOYMENT names a suffix (deployments/prefect.yaml
-sets `gpu` for the flows on the `cpu` pool), the GPU stages hop to the deployment
-`eagle3-<stage>/<stage>-<suffix>` on the `gpu` pool. Both pools must see the same run dirs.
-
-A hop is a task of the calling flow, named after the stage, that starts the stage's flow run
-(`extract · <run name>`, linked as a subflow), copies its log lines into the caller's log and
-waits for it. The hop carries the stage's retry policy: a failed attempt is retried by a new
-flow run, which resumes from what the last one committed (this also covers a worker that died
-mid-stage), and the stage's run count shows on the caller's own task run.
-
-Online (`run_online`), extraction and training are one step: the producer (`produce`, not a
-registered stage: it has no store of its own) and the trainer run as two tasks submitted side by
-side, each hopping to its own deployment (`eagle3-produce/produce-<suffix>`, `eagle3-train/...`)
-when the GPU stages hop, and the step ends when both have.
+A stage runs in the calling flow's process by default (`eagle3 run`), or, when the GPU stages hop
+(flows/hop.py), as a flow run of its deployment on the `gpu` pool. Extraction over several workers fans out
+over ranges (flows/ranges.py); online, extraction and training run as one pair (flows/online.py).
 """
 from __future__ import annotations
 
 import importlib
-import os
 import time
 from typing import Any, Callable, NamedTuple
 
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-from prefect.context import FlowRunContext, TaskRunContext
-from prefect.deployments import run_deployment
-from pydantic import BaseModel
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
 
 from eagle3.config import SPOOL_WAIT_S, EvalConfig, ExtractConfig, PrepareConfig, RegenConfig, TrainConfig
 from eagle3.registry import STAGES as LIBRARY
 from eagle3.runtime.heap import PeakRSS
 from eagle3.runtime.progress import hms
-from eagle3.runtime.stop import on_unwind
 from eagle3.storage.manifests import (
     EvalReport,
     HiddenRange,
@@ -44,20 +28,13 @@ from eagle3.storage.manifests import (
     TrainedDraft,
     VerifierWeights,
 )
-from tasks._failures import Final, PartnerGone, end_failed, failure, raise_for
+from flows.hop import as_params, deployment, gpu_suffix, hop_task, wait_all
+from flows.ranges import fresh_range, run_ranges
+from tasks._cache import fresh
+from tasks._failures import Final, end_failed
 from tasks._gpus import split_devices
-from tasks._online import OnlineSource, pair_done, producer_inputs, reset_spool
-from tasks.extract import (
-    commit_task,
-    extract_range_task,
-    produce_label,
-    produce_task,
-    publish_range,
-    publish_spool,
-    range_headline,
-    range_label,
-    spool_headline,
-)
+from tasks._online import OnlineSource
+from tasks.extract import produce_task, publish_range, publish_spool, range_headline, range_label, spool_headline
 
 
 class StageTask(NamedTuple):
@@ -84,7 +61,7 @@ TABLE = {**STAGES, **ONLINE}  # what a hop or a stage flow may run
 Times = dict[str, dict[str, Any]]  # stage -> its wall time and peak memory, in the order the stages ended
 
 
-def _record(times: Times | None, stage: str, seconds: float, how: str, peak: PeakRSS | None) -> None:
+def record(times: Times | None, stage: str, seconds: float, how: str, peak: PeakRSS | None) -> None:
     """Note a stage's figures in the run's `times` (the pipeline's closing table): seconds, how ("done",
     "cached ..."), peak_rss (this process's, per stage; None where the stage hopped to another process) and
     subprocesses_rss (the largest child's, None when none beat an earlier one)."""
@@ -93,247 +70,59 @@ def _record(times: Times | None, stage: str, seconds: float, how: str, peak: Pea
                         "subprocesses_rss": peak.children if peak else None}
 
 
-def fresh(task, manifest_cls, out):
-    """A cached result whose output dir is gone must rerun, not return a dangling manifest."""
-    return task if manifest_cls.exists(out) else task.with_options(refresh_cache=True)
-
-
 def run_stage(name: str, out: str, wait_for=None, times: Times | None = None, **inputs):
     """Run stage `name` into `out`, log its start and end with its key figures, publish its artifacts, note its
     figures in `times`. Training on several nodes (cfg.nnodes > 1) is one task per node, started together."""
     stage, log = STAGES[name], get_run_logger()
-    suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
+    suffix = gpu_suffix()
     nnodes = inputs["cfg"].nnodes if name == "train" else 1
-    on = f" on {nnodes} nodes" if nnodes > 1 else ""
-    t0, peak = time.monotonic(), None
+    t0, peak, mem = time.monotonic(), None, ""  # no peak where the stage ran in another process
     if name == "extract" and inputs["cfg"].workers > 1:
         m, how, mem, peak = run_ranges(out, wait_for, **inputs)
     elif suffix and name in GPU_STAGES:
-        deployment = f"eagle3-{name}/{name}-{suffix}"
-        log.info("%s: started%s on deployment %s, output %s", name, on, deployment, out)
-        params = as_params({**inputs, "out": out})
-        if nnodes == 1:
-            hop_task(name)(name, deployment, params, wait_for=wait_for)
-        else:  # one flow run per node, each on a gpu worker (a GPU host) of its own
-            labels = [node_name(name, k) for k in range(nnodes)]
-            wait_all(name, [hop_task(name).submit(lb, deployment, {**params, "node_rank": k}, wait_for=wait_for)
-                            for k, lb in enumerate(labels)], labels)
-        m, how = stage.manifest.read(out), "done"  # the stage dir is on storage both pools share
-        mem = ""  # the stage ran in the deployment's process
+        m, how = _hopped(name, deployment(name, suffix), nnodes, out, wait_for, inputs)
     else:
-        log.info("%s: started%s, output %s", name, on, out)
-        task = fresh(stage.task, stage.manifest, out)
+        log.info("%s: started%s, output %s", name, f" on {nnodes} nodes" if nnodes > 1 else "", out)
         with PeakRSS() as peak:  # stages run one at a time here: each gets its own peak
-            if nnodes == 1:
-                states = [task(out=out, wait_for=wait_for, return_state=True, **inputs)]
-            else:  # every node's torchrun under this process (the nodes share this host)
-                labels = [node_name(name, k) for k in range(nnodes)]
-                states = wait_all(name, [task.with_options(task_run_name=lb).submit(
-                    out=out, wait_for=wait_for, node_rank=k, **inputs) for k, lb in enumerate(labels)], labels)
-        m = states[0].result()  # every node task returns the manifest global rank 0 wrote
-        how = "cached (inputs unchanged)" if all(s.name == "Cached" for s in states) else "done"
+            m, how = _here(name, nnodes, out, wait_for, inputs)
         mem = f", {peak.line()}"
     stage.publish(m, out)
     log.info("%s: %s in %s%s: %s", name, how, hms(time.monotonic() - t0), mem, stage.headline(m))
-    _record(times, name, time.monotonic() - t0, how, peak)
+    record(times, name, time.monotonic() - t0, how, peak)
     return m
 
 
-def run_ranges(out: str, wait_for=None, **inputs) -> tuple[HiddenStates, str, str, PeakRSS | None]:
-    """Extraction over cfg.workers: one task per range of the shard plan, submitted at once, each hopping to the
-    extract deployment when the GPU stages hop (its flow run goes to whichever GPU worker takes it), else run
-    here on its own devices; then the commit, here (it renames files on the storage both pools share). A failed
-    range is retried alone (it resumes); the commit waits for all. Returns (manifest, how, memory line, peak:
-    None where the ranges hopped)."""
-    log, cfg = get_run_logger(), inputs["cfg"]
-    n, suffix = cfg.workers, os.environ.get("EAGLE3_GPU_DEPLOYMENT")
-    labels = [range_label(k, n) for k in range(n)]
-    if suffix:
-        deployment = f"eagle3-extract/extract-{suffix}"
-        log.info("extract: %d ranges started on deployment %s, output %s", n, deployment, out)
-        futures = [hop_task("extract", label).submit(label, deployment, as_params({**inputs, "out": out, "part": k}),
-                                                     wait_for=wait_for) for k, label in enumerate(labels)]
-        mem, peak = "", None
+def _hopped(name: str, where: str, nnodes: int, out: str, wait_for, inputs: dict) -> tuple[Any, str]:
+    """Stage `name` as a flow run of deployment `where` (one per node, each on a gpu worker of its own: a GPU
+    host); its manifest, read from the stage dir on the storage both pools share."""
+    get_run_logger().info("%s: started%s on deployment %s, output %s", name,
+                          f" on {nnodes} nodes" if nnodes > 1 else "", where, out)
+    params, policy = as_params({**inputs, "out": out}), STAGES[name].task
+    if nnodes == 1:
+        hop_task(policy, name)(name, where, params, wait_for=wait_for)
     else:
-        log.info("extract: %d ranges started, output %s", n, out)
-        engine = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-        devices = split_devices(*[engine] * n) or [None] * n
-        with PeakRSS() as peak:
-            futures = [fresh_range(out, k, n).submit(out=out, part=k, devices=d, wait_for=wait_for, **inputs)
-                       for k, d in enumerate(devices)]
-            for f in futures:
-                f.wait()
-        mem = f", {peak.line()}"
-    cached = all(s.name == "Cached" for s in wait_all("extract", futures, labels))
-    state = fresh(commit_task, HiddenStates, out)(out=out, return_state=True, **inputs)
-    how = "cached (inputs unchanged)" if cached and state.name == "Cached" else f"done over {n} workers"
-    return state.result(), how, mem, peak
+        labels = [node_name(name, k) for k in range(nnodes)]
+        wait_all(name, [hop_task(policy, lb).submit(lb, where, {**params, "node_rank": k}, wait_for=wait_for)
+                        for k, lb in enumerate(labels)], labels)
+    return STAGES[name].manifest.read(out), "done"
 
 
-def fresh_range(out: str, k: int, n: int):
-    """A cached range whose dir is gone (and whose store was never committed) must rerun."""
-    from eagle3.extract.run import range_dir
-    from eagle3.storage.manifests import HiddenRange
-
-    done = HiddenRange.exists(range_dir(out, k, n)) or HiddenStates.exists(out)
-    return extract_range_task if done else extract_range_task.with_options(refresh_cache=True)
+def _here(name: str, nnodes: int, out: str, wait_for, inputs: dict) -> tuple[Any, str]:
+    """Stage `name` as its task in this process (every node's torchrun under it where nnodes > 1: the nodes share
+    this host); the manifest global rank 0 wrote, and whether it was cached."""
+    task = fresh(STAGES[name].task, STAGES[name].manifest, out)
+    if nnodes == 1:
+        states = [task(out=out, wait_for=wait_for, return_state=True, **inputs)]
+    else:
+        labels = [node_name(name, k) for k in range(nnodes)]
+        states = wait_all(name, [task.with_options(task_run_name=lb).submit(
+            out=out, wait_for=wait_for, node_rank=k, **inputs) for k, lb in enumerate(labels)], labels)
+    how = "cached (inputs unchanged)" if all(s.name == "Cached" for s in states) else "done"
+    return states[0].result(), how
 
 
 def node_name(name: str, k: int) -> str:
     return f"{name} (node {k})"
-
-
-def wait_all(name: str, futures: list, labels: list[str]) -> list:
-    """Wait for the tasks of one stage submitted together (the nodes of a multi-node training, the ranges of an
-    extraction); raise the first failed one's error, after logging every failure. Returns their states.
-
-    Nodes: a node that dies ends its peers' torchrun too (a collective or the rendezvous fails), so every node
-    task fails and retries, and they meet again at the rendezvous (eagle3/train/launch.py), resuming from the
-    last checkpoint; they share one cache key (a finished run's are all cached). Ranges: each retries alone and
-    resumes; the finished ones are kept."""
-    with on_unwind():  # a stop here also stops the tasks' children on their threads
-        for f in futures:
-            f.wait()
-    states = [f.state for f in futures]
-    failed = [(lb, s) for lb, s in zip(labels, states, strict=True) if not s.is_completed()]
-    if failed:
-        get_run_logger().error("%s: %s", name, ", ".join(f"{lb} ended {s.name}: {s.message}" for lb, s in failed))
-        failed[0][1].result()  # raises that task's own exception
-    return states
-
-
-def as_params(inputs: dict[str, Any]) -> dict[str, Any]:
-    """Deployment parameters are JSON: configs go as dicts, the stage flow validates them again."""
-    return {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}
-
-
-def hop_task(name: str, label: str | None = None):
-    """The hop for stage `name` (shown as `label`, default the name), with the stage task's own retry policy."""
-    t = TABLE[name].task
-    return hop.with_options(name=label or name, retries=t.retries, retry_delay_seconds=t.retry_delay_seconds,
-                            retry_condition_fn=t.retry_condition_fn)
-
-
-@task(task_run_name="{name}", cache_policy=NO_CACHE)
-def hop(name: str, deployment: str, params: dict, job_variables: dict | None = None) -> None:
-    """Run one stage as a flow run of its deployment (with these job variables), its log copied here; raise if
-    it did not complete."""
-    log = get_run_logger()
-    attempt = TaskRunContext.get().task_run.run_count
-    parent = FlowRunContext.get().flow_run
-    run_name = f"{name} · {parent.name}" + (f" (try {attempt})" if attempt > 1 else "")
-    run = run_deployment(deployment, parameters=params, flow_run_name=run_name, timeout=0,
-                         job_variables=job_variables)
-    log.info("%s: flow run %r of %s", name, run_name, deployment)
-    run = follow(run.id, name, log)
-    if not run.state.is_completed():
-        # a Final kind (the state's name) is raised as its type, which the hop's retry condition does not retry:
-        # a new flow run would fail the same way
-        raise_for(run.state, f"stage {name}: flow run {run_name!r} of {deployment} ended {run.state.name}: "
-                             f"{run.state.message}")
-
-
-def follow(run_id, name: str, log, poll: float = 2.0):
-    """Wait for flow run `run_id` to end, copying its log lines into this run's log as they arrive."""
-    from datetime import timedelta
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
-    from prefect.client.schemas.sorting import LogSort
-
-    seen, since = set(), None
-    with get_client(sync_client=True) as c:
-        def copy() -> None:
-            nonlocal since
-            # Lines reach the server in batches, not always in order: re-read a window, skip those seen.
-            flt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]),
-                            timestamp=LogFilterTimestamp(after_=since - timedelta(seconds=30)) if since else None)
-            offset = 0
-            while page := c.read_logs(flt, sort=LogSort.TIMESTAMP_ASC, limit=200, offset=offset):
-                for x in page:
-                    if x.id not in seen:
-                        seen.add(x.id)
-                        log.log(x.level, "%s | %s", name, x.message.split("\n", 1)[0])  # tracebacks stay there
-                        since = max(since or x.timestamp, x.timestamp)
-                offset += len(page)
-
-        while not (run := c.read_flow_run(run_id)).state.is_final():
-            copy()
-            time.sleep(poll)
-        time.sleep(poll)  # the stage's last lines reach the server in the next batch
-        copy()
-    return run
-
-
-def run_online(spool: str, train_out: str, *, model: str, prepared: str, extract: ExtractConfig, train: TrainConfig,
-               spool_bytes: int, wait_s: float, verifier: str, verifier_name: str = "",
-               trust_remote_code: bool = False, times: Times | None = None) -> tuple[SpooledStates, TrainedDraft]:
-    """Online: the producers (extract.workers of them, into the spool `spool`) and the trainer (into `train_out`)
-    as tasks submitted side by side, each on its deployment when the GPU stages hop; returns the spool's and the
-    trainer's manifests once all ended.
-
-    None ends without the others (a producer waits while the spool is full, the trainer for its next window),
-    so they run as a pair: when the pair is not done for these inputs (tasks/_online.py) the spool is reset
-    and all run, none served from the cache. In this process they split the visible devices (each producer's
-    engine in turn, then the trainer's processes); hopped, each flow run (each producer on the GPU worker that
-    takes it: its own host) splits its host's devices the same way."""
-    log = get_run_logger()
-    if train.nnodes > 1:  # the producer and the trainer split one host's devices
-        raise ValueError(f"online training runs on one node; train.nnodes is {train.nnodes} (use mode offline)")
-    suffix = os.environ.get("EAGLE3_GPU_DEPLOYMENT")
-    online = OnlineSource(extract=extract, spool_bytes=spool_bytes, wait_s=wait_s)
-    n = extract.workers
-    common = dict(model=model, prepared=prepared, out=spool, cfg=extract, train=train, spool_bytes=spool_bytes,
-                  wait_s=wait_s, trust_remote_code=trust_remote_code)
-    # one producer: as before (no part); several: each its part, named "produce k/N"
-    sides = {produce_label(k, n): ("produce", {**common, **({"part": k} if n > 1 else {})}) for k in range(n)}
-    sides["train"] = ("train", dict(hidden=spool, verifier=verifier, out=train_out, cfg=train,
-                                    verifier_name=verifier_name, model=model, prepared=prepared,
-                                    trust_remote_code=trust_remote_code, online=online))
-    fp = producer_inputs(model, prepared, extract, train, spool_bytes, trust_remote_code)
-    rerun = not pair_done(spool, train_out, fp, verifier, train)
-    if rerun:
-        reset_spool(spool)
-    t0 = time.monotonic()
-    what = "produce" if n == 1 else f"produce ({n} producers)"
-    if suffix:
-        log.info("%s + train (online): started side by side on deployments eagle3-produce/produce-%s and "
-                 "eagle3-train/train-%s; spool %s (cap %s bytes), output %s", what, suffix, suffix, spool,
-                 f"{spool_bytes:,}", train_out)
-        jobs = {"env": {"PREFECT_TASKS_REFRESH_CACHE": "true"}} if rerun else None  # the stage flows' tasks too
-        futures = {label: hop_task(stage, label).submit(label, f"eagle3-{stage}/{stage}-{suffix}", as_params(args),
-                                                        jobs)
-                   for label, (stage, args) in sides.items()}
-        with on_unwind():
-            for f in futures.values():
-                f.wait()
-        mem = ""  # each side ran in its deployment's process
-    else:
-        log.info("%s + train (online): started side by side; spool %s (cap %s bytes), output %s", what, spool,
-                 f"{spool_bytes:,}", train_out)
-        devices = split_devices(*[online.producer_slots] * n, train.nproc_per_node) or [None] * (n + 1)
-        with PeakRSS() as peak:  # they share this process: one peak for all
-            futures = {}
-            for (label, (stage, args)), d in zip(sides.items(), devices, strict=True):
-                t = TABLE[stage].task.with_options(task_run_name=label)
-                futures[label] = (t.with_options(refresh_cache=True) if rerun else t).submit(**args, devices=d)
-            with on_unwind():  # a stop here also stops the trainer's torchrun on its thread
-                for f in futures.values():
-                    f.wait()
-        mem = f", {peak.line()}"
-    failed = [(label, f.state) for label, f in futures.items() if not f.state.is_completed()]
-    if failed:  # the side that failed first is the cause; the others' PartnerGone follows from it
-        label, state = next(((lb, s) for lb, s in failed if not isinstance(failure(s), PartnerGone)), failed[0])
-        log.error("online: %s; raising %s's error", ", ".join(f"{m} ended {s.name}" for m, s in failed), label)
-        state.result()  # raises the task's own exception
-    ms = {"produce": SpooledStates.read(spool), "train": TrainedDraft.read(train_out)}  # the spool's: every producer's
-    for stage, m in ms.items():
-        mine = [f for label, f in futures.items() if sides[label][0] == stage]
-        how = "cached (inputs unchanged)" if all(f.state.name == "Cached" for f in mine) else "done"
-        TABLE[stage].publish(m, spool if stage == "produce" else train_out)
-        log.info("%s: %s in %s%s: %s", stage, how, hms(time.monotonic() - t0), mem, TABLE[stage].headline(m))
-        _record(times, stage, time.monotonic() - t0, how, None if suffix else peak)
-    return ms["produce"], ms["train"]
 
 
 def own(stage: str, out: str):

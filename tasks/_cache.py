@@ -4,7 +4,7 @@ Prefect's INPUTS policy hashes a path as a string, so an edited file at the same
 still hit the cache. A stage's key here is sha256 over: the stage name, its format version and
 the stage's own `inputs()` (eagle3/registry.py) -- the content fingerprints of its inputs and the settings that change
 its output, the same dict the library's "already done" check compares. The flow refreshes a
-cached stage whose output dir is gone (see `flows.stages`), so a hit never points at missing files.
+cached stage whose output dir is gone (`fresh`, below), so a hit never points at missing files.
 
 A cached result is a stage manifest, and Prefect keeps it as a result record in its result storage
 (`$PREFECT_HOME/storage` unless set). Prefect's default serializer is cloudpickle, and a record names
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
 from prefect import task
@@ -139,3 +140,9 @@ def stage_task(stage: str, retries: int, delay: int,
 
     return cached_task(name=stage, task_run_name=stage, cache_policy=content_policy(stage, key or stage_key(stage)),
                        retries=retries, retry_delay_seconds=delay, retry_condition_fn=retry_unless_final, **kw)
+
+
+def fresh(t, manifest_cls: type[StageManifest], out: str | Path):
+    """Task `t` as a flow calls it for output dir `out`: a cached result whose dir is gone must rerun, not return a
+    dangling manifest, so the cache is refreshed where `manifest_cls` is not in `out`."""
+    return t if manifest_cls.exists(out) else t.with_options(refresh_cache=True)
