@@ -39,8 +39,9 @@ def _run(out, cfg: TrainConfig, *, hidden, verifier, verifier_name: str = "", re
 def _inputs(cfg: TrainConfig, *, hidden, verifier, online: bool = False, **_) -> dict:
     # the replay set (when built) follows from the target and the prepared data (both behind `hidden`) and cfg
     from eagle3.train.loop import inputs
+    from eagle3.train.source import source
 
-    return inputs(hidden, verifier, cfg, online=online)
+    return inputs(source(hidden, online), verifier, cfg)
 
 
 def summary(m: TrainedDraft) -> dict:

@@ -58,12 +58,13 @@ def finished(hidden, verifier, out, cfg: TrainConfig, replay: str | None = None,
     from eagle3.decoding.chains import ReplaySet
     from eagle3.storage.manifests import HiddenStates
     from eagle3.train import loop
+    from eagle3.train.source import Stored
 
     if online:  # the spool's source.json may be an earlier run's until the producer rewrites it
         return None
     rs = (ReplaySet.load(replay, HiddenStates.read(hidden).aux_layer_ids) if replay is not None and cfg.replay_prompts
           else None)
-    return loop.finished(Path(out), loop.inputs(hidden, verifier, cfg, rs))
+    return loop.finished(Path(out), loop.inputs(Stored(Path(hidden)), verifier, cfg, rs))
 
 
 def command(hidden, verifier, out, cfg: TrainConfig, verifier_name: str = "", restart_on_mismatch: bool = False,

@@ -8,12 +8,11 @@ step's rows, so 1 process x 2 rows and 2 processes x 1 row give the same gradien
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +25,23 @@ from eagle3.model.draft import VERIFIER_FILE, DraftConfig, Eagle3Draft
 from eagle3.model.formats import export
 from eagle3.runtime import floats, heap
 from eagle3.runtime.progress import Meter, silent
-from eagle3.storage import spool
-from eagle3.storage.atomic import append_text, atomic_write_text
 from eagle3.storage.hashing import sha256_file
-from eagle3.storage.manifests import HiddenStates, SpoolSource, TrainedDraft, VerifierWeights
-from eagle3.storage.store import bytes_per_token, open_store
+from eagle3.storage.manifests import HiddenStates, TrainedDraft, VerifierWeights
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
 from eagle3.train import optim
 from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch, val_packs
 from eagle3.train.loss import TargetHead, TTTLossOutput, scored, step_weights, ttt_loss_fused
-from eagle3.train.metrics import LossSums, TensorBoard, chain_acceptance, plot_curves
+from eagle3.train.metrics import (
+    LossSums,
+    TensorBoard,
+    append_record,
+    chain_acceptance,
+    last_val_record,
+    plot_curves,
+    truncate_records,
+)
+from eagle3.train.source import Source, source
 
 log = logging.getLogger("eagle3.train")
 METRICS = "metrics.jsonl"
@@ -70,6 +75,25 @@ class Pos:
     step: int = 0
     epoch: int = 0
     epoch_step: int = 0
+
+
+@dataclass
+class Best:
+    """The best validation so far, saved in every checkpoint: its value of `metric` (replay tau with a replay
+    set, else simulated tau; -1 before the first validation), its step, and both taus as it measured them."""
+
+    tau: float = -1.0
+    step: int = -1
+    metric: str = "sim_tau"
+    sim_tau: float | None = None
+    replay_tau: float | None = None
+
+    def sim_tau_or_tau(self) -> float:
+        """Simulated tau at the best step; where it was not measured, the best value when that is simulated tau,
+        else 0."""
+        if self.sim_tau is not None:
+            return self.sim_tau
+        return self.tau if self.metric == "sim_tau" else 0.0
 
 
 def build_draft(cfg: TrainConfig, hidden: HiddenStates, verifier_dir: Path) -> Eagle3Draft:
@@ -217,16 +241,15 @@ def validate(model, head, store, cfg: TrainConfig, world: dist.Dist, amp, cache:
     return m.reduce(world)
 
 
-def inputs(hidden_dir: str | Path, verifier_dir: str | Path, cfg: TrainConfig,
-           replay: ReplaySet | None = None, online: bool = False) -> dict[str, Any]:
+def inputs(data: Source, verifier_dir: str | Path, cfg: TrainConfig, replay: ReplaySet | None = None) -> dict[str, Any]:
     """What a trained draft depends on: the hidden states' and verifier's manifests, a warm start's weights,
     the config, and the replay set validation chose the best checkpoint by. The stage's "already done" check
     (and checkpoints' resume check) and the Prefect task's cache key are all this dict; the task keys without
     the replay set, which it builds from what the key holds (the target and the prepared data, both behind
-    the hidden states, and cfg's replay fields). Online, the hidden states are named by the spool's source.json:
-    what the producer computes them from, the same states an offline store of those inputs holds."""
+    the hidden states, and cfg's replay fields). Online, the hidden states are named by the spool's source.json
+    (`Spooled.fingerprint`)."""
     return {
-        "hidden_states": (SpoolSource.read(hidden_dir) if online else HiddenStates.read(hidden_dir)).fingerprint,
+        "hidden_states": data.fingerprint(),
         "verifier": VerifierWeights.read(verifier_dir).fingerprint,
         "init_from": sha256_file(Path(cfg.init_from) / "model.safetensors") if cfg.init_from else None,
         "config": cfg.identity(),
@@ -261,38 +284,34 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
     `online`: `hidden_dir` is an online producer's spool (eagle3.storage.spool), read window by window as
     it is filled; one side silent for `wait_s` seconds while the other waits on it fails the run.
     """
-    hidden_dir, verifier_dir, out = Path(hidden_dir), Path(verifier_dir), Path(out)
+    data, verifier_dir, out = source(hidden_dir, online, wait_s), Path(verifier_dir), Path(out)
     world = dist.init()
     heap.retain_freed_memory()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.fsdp and world.device.type != "cuda":
         raise ValueError("--fsdp needs CUDA; on CPU the trainer uses DDP")
-    side = online and world.main  # rank 0 shows the producer that the trainer lives, or how it failed
-    # flush-to-zero before the first parallel op, so torch's worker threads start with it (runtime/floats.py)
-    with (floats.denormals_flushed(),
-          spool.reporting(hidden_dir / spool.TRAINER_ERROR) if side else nullcontext(),
-          spool.beating(hidden_dir / spool.TRAINER_BEAT) if side else nullcontext()):
-        hidden = spool.wait_source(hidden_dir, wait_s) if online else HiddenStates.read(hidden_dir)
+    # flush-to-zero before the first parallel op, so torch's worker threads start with it (runtime/floats.py);
+    # online, rank 0 shows the producer that the trainer lives, or how it failed
+    with floats.denormals_flushed(), data.serving(world.main):
+        hidden = data.manifest()
         ver = VerifierWeights.read(verifier_dir)
-        rs = load_replay(cfg, replay, hidden, hidden_dir, world)
-        fp = inputs(hidden_dir, verifier_dir, cfg, rs, online)
+        rs = load_replay(cfg, replay, hidden, data.dir, world)
+        fp = inputs(data, verifier_dir, cfg, rs)
         # every rank takes rank 0's answer: a rank that went on alone would wait forever for the others'
         # collectives, and on several nodes each host's view of the shared out dir may lag another's
         if (done := dist.broadcast_object(finished(out, fp) if world.main else None, world)) is not None:
-            if online and world.main:
-                spool.Spool(hidden_dir).set_position(0, done=True)  # a producer started with it may end
+            data.done(0, world.main)  # a producer started with it may end
             dist.shutdown()
             return done if world.main else None
 
-        run = Run(cfg, world, hidden, ver, hidden_dir, verifier_dir, out, rs, fp, wait_s if online else None)
+        run = Run(cfg, world, hidden, ver, data, verifier_dir, out, rs, fp)
         run.resume(restart_on_mismatch)
         run.open_metrics()
         run.fit(progress)
         run.finish()
         result = run.export(verifier_name) if world.main else None
-        if online and world.main:
-            spool.Spool(hidden_dir).set_position(len(run.plan.train), done=True)  # the producer may end
+        data.done(len(run.plan.train) if run.plan else run.pos.step, world.main)  # the producer may end
     dist.shutdown()
     return result
 
@@ -352,10 +371,9 @@ class Run:
     window: Window
 
     def __init__(self, cfg: TrainConfig, world: dist.Dist, hidden: HiddenStates, ver: VerifierWeights,
-                 hidden_dir: Path, verifier_dir: Path, out: Path, rs: ReplaySet | None, fp: dict[str, Any],
-                 wait_s: float | None = None):
+                 data: Source, verifier_dir: Path, out: Path, rs: ReplaySet | None, fp: dict[str, Any]):
         """Build the draft (seeded: the same init on every rank) and the target head on the device, open the
-        stores (a spool's readers when `wait_s` is given: online) and size the run from the train split's packs."""
+        readers of `data` (a store, or a spool's: online) and size the run from the train split's packs."""
         self.cfg, self.world, self.hidden, self.out, self.rs, self.fp = cfg, world, hidden, out, rs, fp
         self.config = cfg.identity()
         self.draft = build_draft(cfg, hidden, verifier_dir).to(world.device)
@@ -364,21 +382,16 @@ class Run:
         # embedding, so there the head keeps its own.
         shared = self.draft.embed_tokens.weight.detach() if ver.tied_embeddings and not cfg.fsdp else None
         self.head = TargetHead.from_verifier(verifier_dir, lm_head=shared).to(world.device)
-        self.plan: spool.SpoolPlan | None = None  # online: the spool's windows
-        if wait_s is None:
-            self.train_store = open_store(hidden_dir, "train")
-            self.val_store = open_store(hidden_dir, "val") if hidden.splits.get("val", {}).get("num_samples") else None
-        else:
-            bpt = bytes_per_token(len(hidden.layer_ids) - 1, hidden.hidden_size, hidden.storage)
-            self.plan, self.train_store, self.val_store = spool.reader_pair(
-                hidden_dir, hidden, cfg.read_order(world.world), wait_s, world.main, dist.barrier, bpt)
+        readers = data.open(hidden, cfg.read_order(world.world), world.main, dist.barrier)
+        self.train_store, self.val_store = readers.train, readers.val
+        self.plan = readers.plan  # online: the spool's windows
         self.lengths = self.train_store.lengths
         n_packs = len(epoch_packs(self.lengths, cfg.seed, 0, cfg.pack_tokens))
         self.spe = steps_per_epoch(n_packs, world.world, cfg.grad_accum)
         self.total = cfg.max_steps or cfg.epochs * self.spe
         assert self.plan is None or self.plan.total_steps == self.total, "the spool plans another run length"
         self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)
-        self.pos, self.best = Pos(), {"tau": -1.0, "step": -1}
+        self.pos, self.best = Pos(), Best()
         # step of the latest validation: a checkpoint is saved before its step's epoch-end validation
         self.last_val = -1
         self.precision = floats.resolve_precision(cfg.precision, world.device)
@@ -436,7 +449,7 @@ class Run:
         dist.load_optimizer_state(self.model, self.opt, state["optimizer"], self.cfg.fsdp)
         self.sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
-        self.pos, self.best = Pos(**state["pos"]), state["best"]
+        self.pos, self.best = Pos(**state["pos"]), Best(**state["best"])
         self.last_val = state.get("last_val", -1)
         if self.world.main:
             log.info("train: resumed from %s (step %d, epoch %d, epoch step %d)", last.name, self.pos.step,
@@ -446,12 +459,12 @@ class Run:
         """Create `out` and drop the metrics a killed run logged after its checkpoint (rank 0); open TensorBoard."""
         if self.world.main:
             self.out.mkdir(parents=True, exist_ok=True)
-            _truncate_metrics(self.metrics_path, self.pos.step, self.last_val)
+            truncate_records(self.metrics_path, self.pos.step, self.last_val)
         self.tb = TensorBoard(self.out, self.world.main)
 
     def emit(self, rec: dict[str, Any]) -> None:
         """Append one metrics record (rank 0 only) to metrics.jsonl and TensorBoard."""
-        _log_metrics(self.metrics_path, rec)
+        append_record(self.metrics_path, rec)
         self.tb.log(rec)
 
     # ---- the step loop
@@ -541,9 +554,8 @@ class Run:
             log.info("val step %d: loss %.4f acc %s sim tau %.3f%s", pos.step, v.get("loss", float("nan")),
                      [round(a, 3) for a in v.get("acc", [])], v.get("sim_tau", float("nan")),
                      f" replay tau {v['replay_tau']:.3f} (k={cfg.replay_k})" if "replay_tau" in v else "")
-        if v[metric] > self.best["tau"]:
-            self.best = {"tau": v[metric], "step": pos.step, "metric": metric, "sim_tau": v.get("sim_tau"),
-                         "replay_tau": v.get("replay_tau")}
+        if v[metric] > self.best.tau:
+            self.best = Best(v[metric], pos.step, metric, v.get("sim_tau"), v.get("replay_tau"))
             self.save(ckpt.BEST)
 
     def save(self, tag: str) -> None:
@@ -556,7 +568,7 @@ class Run:
         osd = dist.optimizer_state(self.model, self.opt, cfg.fsdp)  # collective under FSDP: every rank calls it
         if world.main:
             state = {"optimizer": osd, "scheduler": self.sched.state_dict(), "rng": ckpt.rng_state(),
-                     "pos": self.pos.__dict__.copy(), "best": dict(self.best), "last_val": self.last_val}
+                     "pos": asdict(self.pos), "best": asdict(self.best), "last_val": self.last_val}
             ckpt.save(self.out, tag, sd, state, {"config": self.config, "inputs": self.fp, "step": self.pos.step})
             if tag.startswith("step-"):
                 ckpt.prune(self.out, cfg.keep_last)
@@ -578,22 +590,20 @@ class Run:
         state_dict, _, meta = ckpt.load(src)
         export(state_dict, self.draft.config, cfg.ttt_steps, out / FINAL, cfg.export_format,
                verifier=verifier_name or self.hidden.model_dir,
-               extra={"best_step": best["step"], "best_metric": best.get("metric", "sim_tau"),
-                      "sim_tau": best.get("sim_tau", best["tau"]), "replay_tau": best.get("replay_tau"),
+               extra={"best_step": best.step, "best_metric": best.metric, "sim_tau": best.sim_tau,
+                      "replay_tau": best.replay_tau,
                       "train_config": self.config})
         plot_curves(self.metrics_path, out / "curves.png")
         result = TrainedDraft(
             config=self.config, inputs=self.fp, final_dir=FINAL, export_format=cfg.export_format,
-            steps=self.pos.step, best_step=best["step"], best_metric=best.get("metric", "sim_tau"),
-            best_sim_tau=best["sim_tau"] if best.get("sim_tau") is not None
-            else (best["tau"] if best.get("metric", "sim_tau") == "sim_tau" else 0.0),
-            best_replay_tau=best.get("replay_tau"),
-            val=_last_val(self.metrics_path), draft_config=self.draft.config.model_dump(mode="json"),
+            steps=self.pos.step, best_step=best.step, best_metric=best.metric, best_sim_tau=best.sim_tau_or_tau(),
+            best_replay_tau=best.replay_tau, val=last_val_record(self.metrics_path),
+            draft_config=self.draft.config.model_dump(mode="json"),
             weights_sha256=sha256_file(out / FINAL / "model.safetensors"),
         )
         result.write(out)
         log.info("train: done, %d steps (%s compute); best %s %.3f at step %d; exported %s", self.pos.step,
-                 self.precision, best.get("metric", "sim_tau").replace("_", " "), best["tau"], best["step"],
+                 self.precision, best.metric.replace("_", " "), best.tau, best.step,
                  out / FINAL)
         return result
 
@@ -603,30 +613,3 @@ def last_step_dir(out: Path) -> Path:
     if d is None:
         raise RuntimeError(f"{out}: no valid checkpoint to export")
     return d
-
-
-def _log_metrics(path: Path, rec: dict[str, Any]) -> None:
-    append_text(path, json.dumps(rec) + "\n")
-
-
-def _truncate_metrics(path: Path, step: int, last_val: int) -> None:
-    """On resume, drop records logged after the checkpoint: they will be logged again. That
-    includes a validation at the checkpoint's own step that ran after the save (an epoch end)."""
-    if not path.is_file():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    if lines:
-        try:
-            json.loads(lines[-1])
-        except ValueError:  # an append torn by a kill or a full disk: that record is logged again
-            lines.pop()
-    recs = [(ln, json.loads(ln)) for ln in lines]
-    keep = [ln for ln, r in recs if r["step"] <= (last_val if r["split"] == "val" else step)]
-    atomic_write_text(path, "".join(ln + "\n" for ln in keep))
-
-
-def _last_val(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    vals = [json.loads(ln) for ln in path.read_text().splitlines() if '"split": "val"' in ln]
-    return vals[-1] if vals else {}

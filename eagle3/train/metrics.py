@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from eagle3.storage.atomic import append_text, atomic_write_text
+
 
 @torch.no_grad()
 def chain_acceptance(out) -> tuple[float, float, list[float]]:
@@ -67,6 +69,42 @@ class LossSums:
         return r
 
 
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, in order; a last line torn by a kill or a full disk is left out (the
+    resumed run logs that record again)."""
+    if not path.is_file():
+        return []
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    recs = []
+    for i, ln in enumerate(lines):
+        try:
+            recs.append(json.loads(ln))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not a JSON record") from None
+    return recs
+
+
+def append_record(path: Path, rec: dict[str, Any]) -> None:
+    """Append one record (one JSON line)."""
+    append_text(path, json.dumps(rec) + "\n")
+
+
+def truncate_records(path: Path, step: int, last_val: int) -> None:
+    """On resume, drop records logged after the checkpoint (train after `step`, val after `last_val`): they will
+    be logged again. That includes a validation at the checkpoint's own step that ran after the save (an epoch
+    end)."""
+    if path.is_file():
+        keep = [r for r in read_records(path) if r["step"] <= (last_val if r["split"] == "val" else step)]
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def last_val_record(path: Path) -> dict[str, Any]:
+    """The last validation record, or {} before the first."""
+    vals = [r for r in read_records(path) if r["split"] == "val"]
+    return vals[-1] if vals else {}
+
+
 def plot_curves(metrics: Path, png: Path) -> Path | None:
     """Loss, step-0 accuracy and simulated tau against steps, as a PNG (needs matplotlib)."""
     try:
@@ -78,7 +116,7 @@ def plot_curves(metrics: Path, png: Path) -> Path | None:
         return None
     if not metrics.is_file():
         return None
-    recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    recs = read_records(metrics)
     tr = [r for r in recs if r["split"] == "train"]
     va = [r for r in recs if r["split"] == "val"]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
