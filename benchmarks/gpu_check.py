@@ -226,8 +226,10 @@ def trainer(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
 
     from eagle3.model.draft import DraftConfig, Eagle3Draft
     from eagle3.train import distributed as dist
-    from eagle3.train.loop import TTT, optimizer_step, row_pass
+    from eagle3.train.loop import TTT
     from eagle3.train.loss import TargetHead, step_weights
+    from eagle3.train.optim import step as optimizer_step
+    from eagle3.train.validate import row_pass
 
     cuda = dev.type == "cuda"
     c = DraftConfig.from_target(s["train_target"], draft_vocab_size=s["draft_vocab"])

@@ -369,8 +369,8 @@ def test_speculators_export_layout(trained, tmp_path):
 
 def test_warm_start_loads_weights_and_keeps_the_vocab(trained, stages, tmp_path):
     from eagle3.storage.manifests import HiddenStates
+    from eagle3.train.build import build_draft
     from eagle3.train.checkpoint import BEST, CKPT_DIR
-    from eagle3.train.loop import build_draft
 
     out, _ = trained
     cfg = TrainConfig(ttt_steps=2, pack_tokens=192, threads=1, init_from=str(out / "final"))
@@ -401,8 +401,8 @@ def test_mismatched_checkpoint_is_refused(trained, stages):
 def test_top_cache_equals_recomputing(stages):
     from eagle3.storage.store import open_store
     from eagle3.train.data import collate
-    from eagle3.train.loop import TopCache
     from eagle3.train.loss import TargetHead, scored
+    from eagle3.train.validate import TopCache
 
     head = TargetHead.from_verifier(stages / "ver")
     store = open_store(stages / "hid", "train")
@@ -429,9 +429,11 @@ def test_bf16_compute_tracks_fp32_on_a_fixed_batch(stages):
     from eagle3.runtime.floats import autocast, resolve_precision
     from eagle3.storage.manifests import HiddenStates
     from eagle3.storage.store import open_store
+    from eagle3.train.build import build_draft
     from eagle3.train.data import collate
-    from eagle3.train.loop import TTT, TopCache, build_draft, row_pass
+    from eagle3.train.loop import TTT
     from eagle3.train.loss import TargetHead, step_weights
+    from eagle3.train.validate import TopCache, row_pass
 
     cpu = torch.device("cpu")
     assert resolve_precision("auto", cpu) == "fp32" and resolve_precision("bf16", cpu) == "bf16"
@@ -468,7 +470,8 @@ def test_init_levers_start_from_the_target_and_train_only_what_they_say(stages, 
     from safetensors.torch import load_file, save_file
 
     from eagle3.storage.manifests import HiddenStates
-    from eagle3.train.loop import build_draft, train
+    from eagle3.train.build import build_draft
+    from eagle3.train.loop import train
     from eagle3.train.optim import param_groups
 
     ver = shutil.copytree(stages / "ver", tmp_path / "ver")  # the tiny target's final norm is all ones: make it not

@@ -69,7 +69,7 @@ def child(a: argparse.Namespace) -> dict[str, float]:
     from eagle3.storage.manifests import HiddenStates, VerifierWeights
     from eagle3.train import checkpoint as ckpt
     from eagle3.train import distributed as dist
-    from eagle3.train import loop, loss
+    from eagle3.train import loop, loss, optim
 
     if not a.eagle3_exp:
         attention.exp_ = loss.exp_ = torch.Tensor.exp_
@@ -89,7 +89,7 @@ def child(a: argparse.Namespace) -> dict[str, float]:
         for _ in range(n):
             t0 = time.perf_counter()
             run.backward_rows(packs, meter)
-            loop.optimizer_step(run.params, run.opt, cfg.grad_clip, None)
+            optim.step(run.params, run.opt, cfg.grad_clip, None)
             dt += time.perf_counter() - t0
             run.pos.epoch_step += 1
         return round(n * cfg.pack_tokens / dt, 1)

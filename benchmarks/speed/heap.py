@@ -41,8 +41,10 @@ def train_steps(steps: int, warmup: int):
     import torch
 
     from eagle3.model.draft import DraftConfig, Eagle3Draft
-    from eagle3.train.loop import TTT, optimizer_step, row_pass
+    from eagle3.train.loop import TTT
     from eagle3.train.loss import TargetHead, step_weights
+    from eagle3.train.optim import step as optimizer_step
+    from eagle3.train.validate import row_pass
 
     g = torch.Generator().manual_seed(0)
     V, H, vd = 49152, 576, 8192

@@ -35,8 +35,10 @@ def child(vd: int, k: int, pack: int, steps: int, warmup: int, untied: bool, bf1
 
     from eagle3.model.draft import DraftConfig, Eagle3Draft
     from eagle3.runtime.heap import retain_freed_memory
-    from eagle3.train.loop import TTT, optimizer_step, row_pass
+    from eagle3.train.loop import TTT
     from eagle3.train.loss import TargetHead, step_weights
+    from eagle3.train.optim import step as optimizer_step
+    from eagle3.train.validate import row_pass
 
     retain_freed_memory()  # as the trainer does
     torch.manual_seed(0)

@@ -9,7 +9,6 @@ step's rows, so 1 process x 2 rows and 2 processes x 1 row give the same gradien
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -20,8 +19,8 @@ import torch
 from torch import nn
 
 from eagle3.config import SPOOL_WAIT_S, TrainConfig
-from eagle3.decoding.chains import ReplaySet, replay_counts
-from eagle3.model.draft import VERIFIER_FILE, DraftConfig, Eagle3Draft
+from eagle3.decoding.chains import ReplaySet
+from eagle3.model.draft import Eagle3Draft
 from eagle3.model.formats import export
 from eagle3.runtime import floats, heap
 from eagle3.runtime.progress import Meter, silent
@@ -30,18 +29,19 @@ from eagle3.storage.manifests import HiddenStates, TrainedDraft, VerifierWeights
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import distributed as dist
 from eagle3.train import optim
-from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch, val_packs
-from eagle3.train.loss import TargetHead, TTTLossOutput, scored, step_weights, ttt_loss_fused
+from eagle3.train.build import build_draft
+from eagle3.train.data import collate, epoch_packs, micro_packs, steps_per_epoch
+from eagle3.train.loss import TargetHead, TTTLossOutput, step_weights, ttt_loss_fused
 from eagle3.train.metrics import (
     LossSums,
     TensorBoard,
     append_record,
-    chain_acceptance,
     last_val_record,
     plot_curves,
     truncate_records,
 )
 from eagle3.train.source import Source, source
+from eagle3.train.validate import TopCache, load_replay, replay_validate, row_pass, validate
 
 log = logging.getLogger("eagle3.train")
 METRICS = "metrics.jsonl"
@@ -96,151 +96,6 @@ class Best:
         return self.tau if self.metric == "sim_tau" else 0.0
 
 
-def build_draft(cfg: TrainConfig, hidden: HiddenStates, verifier_dir: Path) -> Eagle3Draft:
-    ver = VerifierWeights.read(verifier_dir)
-    if ver.hidden_size != hidden.hidden_size:
-        raise ValueError(f"verifier hidden size {ver.hidden_size} != stored hidden states' {hidden.hidden_size}: "
-                         "the verifier and the extract stage come from different targets")
-    dcfg = DraftConfig.from_target(
-        hidden.model_dir, draft_vocab_size=ver.draft_vocab_size, aux_layer_ids=hidden.aux_layer_ids,
-        norm_before_fc=cfg.norm_before_fc, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
-        norm_before_residual=cfg.norm_before_residual, layer=cfg.draft_layer,
-    )
-    torch.manual_seed(cfg.seed)  # same init on every rank and every rerun
-    draft = Eagle3Draft.from_verifier(dcfg, verifier_dir)
-    if cfg.init_from:
-        warm_start(draft, Path(cfg.init_from))  # its weights replace any initialisation switch
-    else:
-        init_levers(draft, cfg, verifier_dir)
-    freeze(draft, cfg)
-    return draft
-
-
-def init_levers(draft: Eagle3Draft, cfg: TrainConfig, verifier_dir: Path) -> None:
-    """The initialisation switches of `cfg` (norm_init, zero_init_residual) on a fresh draft; the same on every
-    rank, as they read only the config and the verifier."""
-    with torch.no_grad():
-        if cfg.norm_init == "target":
-            from safetensors import safe_open
-
-            with safe_open(str(verifier_dir / VERIFIER_FILE), "pt") as f:
-                draft.norm.weight.copy_(f.get_tensor("norm"))  # [H]: the target's final RMSNorm weight
-        if cfg.zero_init_residual:
-            draft.midlayer.self_attn.o_proj.weight.zero_()
-            draft.midlayer.mlp.down_proj.weight.zero_()
-
-
-def freeze(draft: Eagle3Draft, cfg: TrainConfig) -> None:
-    """What `cfg` keeps fixed through training, warm start or not: fc at zero (zero_aux, the diagnostic), the head
-    at its starting rows (head_lr_scale 0)."""
-    if cfg.zero_aux:
-        with torch.no_grad():
-            draft.fc.weight.zero_()
-        draft.fc.weight.requires_grad_(False)
-    if cfg.head_lr_scale == 0:
-        draft.lm_head.weight.requires_grad_(False)
-
-
-def warm_start(draft: Eagle3Draft, src: Path) -> None:
-    """Initialize from an exported draft (final/). The vocab map is never rebuilt: the source's d2t
-    must equal the one this run trains with (prepare with `vocab_from` the promoted run)."""
-    from safetensors.torch import load_file
-
-    from eagle3.model.formats import draft_name
-
-    path = src / "model.safetensors"
-    if not path.is_file():
-        raise ValueError(f"init_from: {path} does not exist (expected an exported draft dir, e.g. <train>/final)")
-    w = {draft_name(k): v for k, v in load_file(str(path)).items()}
-    if "d2t" not in w or not torch.equal(w["d2t"], draft.d2t):
-        raise ValueError(f"init_from: {src} was trained with another draft vocab (d2t differs); a warm start keeps "
-                         "the vocab map fixed: prepare with vocab_from=<the promoted run's prepare dir>")
-    own = draft.state_dict()
-    bad = [k for k, v in w.items() if k in own and own[k].shape != v.shape]
-    if bad:
-        raise ValueError(f"init_from: {src} has other shapes for {bad[:4]}: a draft of another config")
-    missing = [k for k in own if k not in w and k not in ("embed_tokens.weight", "t2d")]
-    if missing:
-        raise ValueError(f"init_from: {src} lacks {missing[:4]} (norm_before_fc / norm_output settings differ?)")
-    draft.load_state_dict({k: v for k, v in w.items() if k in own}, strict=False)
-
-
-def lr_lambda(cfg: TrainConfig, total: int):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        t = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-    return f
-
-
-class TopCache:
-    """The target's full-vocab argmax per sample, computed once (it costs V/Vd times the draft-vocab
-    logits): later epochs and repeated validations only compute the draft-vocab logits."""
-
-    def __init__(self) -> None:
-        self.top: dict[tuple[str, int], torch.Tensor] = {}
-
-    def __call__(self, head: TargetHead, batch: dict[str, torch.Tensor], split: str, idx: list[int]):
-        keys = [(split, i) for i in idx]
-        if all(k in self.top for k in keys):
-            logits, _ = head(batch["final"], top=False)
-            return logits, torch.cat([self.top[k] for k in keys]).to(logits.device)[None]
-        logits, top = head(batch["final"], need=scored(batch["loss_mask"], batch["doc"]))
-        lengths = torch.bincount(batch["doc"][0], minlength=len(idx)).tolist()
-        for k, t in zip(keys, top[0].split(lengths), strict=True):
-            self.top[k] = t.to("cpu", torch.int32)
-        return logits, top
-
-
-def row_pass(model: nn.Module, targets: tuple[torch.Tensor, torch.Tensor], batch: dict[str, torch.Tensor],
-             amp) -> TTTLossOutput:
-    """One packed row: k TTT steps and their loss.
-    targets: (target logits [1, L, Vd] fp32, draft id of the target argmax [1, L]) from `TopCache`."""
-    with amp:
-        _, out = model(batch["input_ids"], batch["aux"], batch["position_ids"], batch["doc"], batch["loss_mask"],
-                       targets[0], targets[1].long())
-    return out
-
-
-def optimizer_step(params: list[nn.Parameter], opt: torch.optim.Optimizer, clip: float, sched=None) -> torch.Tensor:
-    """Clip, step and zero the grads; returns the pre-clip gradient norm.
-
-    The step's freed activations stay in the process heap for the next step (`eagle3.runtime.heap`, set up
-    by `train`): handing them back to the OS each step and faulting them in again cost ~190k page
-    faults per 2048-token step on CPU. Under EAGLE3_HEAP=release they are handed back here."""
-    gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
-    opt.step()
-    if sched is not None:
-        sched.step()
-    opt.zero_grad(set_to_none=True)
-    if params and params[0].device.type == "cpu":
-        heap.release()
-    return gnorm
-
-
-@torch.no_grad()
-def validate(model, head, store, cfg: TrainConfig, world: dist.Dist, amp, cache: TopCache) -> dict[str, Any]:
-    """Loss, per-step top-1 and simulated tau over the validation split (all ranks, summed)."""
-    if store is None or len(store) == 0:
-        return {}
-    lengths = store.lengths
-    packs = val_packs(lengths, cfg.seed, cfg.pack_tokens, cfg.val_max_packs)
-    m = LossSums(cfg.ttt_steps)
-    model.eval()
-    # Every rank runs as many passes (a DDP forward broadcasts buffers, an FSDP one gathers shards: both are
-    # collectives): with fewer packs than ranks, or a remainder, a rank repeats a pack and does not count it.
-    n = -(-len(packs) // world.world) * world.world
-    for i in range(world.rank, n, world.world):
-        idx = packs[i % len(packs)]
-        batch = collate(store, idx, cfg.pack_tokens, world.device)
-        out = row_pass(model, cache(head, batch, "val", idx), batch, amp)
-        if i < len(packs):
-            m.add(out, chain_acceptance(out), rows=1, tokens=batch["input_ids"].numel())
-    model.train()
-    return m.reduce(world)
-
-
 def inputs(data: Source, verifier_dir: str | Path, cfg: TrainConfig, replay: ReplaySet | None = None) -> dict[str, Any]:
     """What a trained draft depends on: the hidden states' and verifier's manifests, a warm start's weights,
     the config, and the replay set validation chose the best checkpoint by. The stage's "already done" check
@@ -255,21 +110,6 @@ def inputs(data: Source, verifier_dir: str | Path, cfg: TrainConfig, replay: Rep
         "config": cfg.identity(),
         **({"replay": replay.fingerprint} if replay is not None else {}),
     }
-
-
-def replay_validate(draft: Eagle3Draft, rs: ReplaySet, k: int, d: dist.Dist, amp, gather) -> dict[str, Any]:
-    """Replay tau of the draft on a replay set (eagle3/decoding/chains.py): every rank replays its share of the
-    turns, the counts are summed. `gather`: a context giving the draft its full parameters (FSDP)."""
-    mine = range(d.rank, len(rs.turns), d.world)
-    was = draft.training
-    draft.eval()
-    with torch.no_grad(), amp, gather:
-        c = replay_counts(draft, [rs.turns[i] for i in mine], [rs.aux[i] for i in mine], k, rs.max_new, rs.stop_ids)
-    draft.train(was)
-    c = dist.all_sum(c, d)
-    n = max(c[1], 1.0)
-    return {"replay_tau": 1.0 + c[0] / n, "replay_per_position_acceptance": [x / n for x in c[2:]],
-            "replay_rounds": int(c[1])}
 
 
 def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, out: str | Path,
@@ -314,21 +154,6 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         data.done(len(run.plan.train) if run.plan else run.pos.step, world.main)  # the producer may end
     dist.shutdown()
     return result
-
-
-def load_replay(cfg: TrainConfig, replay: str | Path | None, hidden: HiddenStates, hidden_dir: Path,
-                world: dist.Dist) -> ReplaySet | None:
-    """The replay set validation replays, when one is given and `cfg.replay_prompts` asks for it; it must come
-    from the target the hidden states were extracted from."""
-    rs = None
-    if replay is not None and cfg.replay_prompts:
-        rs = ReplaySet.load(replay, hidden.aux_layer_ids)
-        if rs.model_fingerprint != hidden.model_fingerprint:
-            raise ValueError(f"replay set {replay} was built from another target than the hidden states in "
-                             f"{hidden_dir}")
-    elif cfg.replay_prompts and world.main:
-        log.info("train: no replay set given (--replay): validation reports simulated tau only")
-    return rs
 
 
 def finished(out: Path, fp: dict[str, Any]) -> TrainedDraft | None:
@@ -441,7 +266,7 @@ class Run:
         # The optimizer is built on the wrapped model's parameters (FSDP2 replaces them with shards).
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = optim.build(self.model, self.params, cfg)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, self.total))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, optim.lr_lambda(cfg, self.total))
 
     def restore(self, last: Path, state: dict[str, Any]) -> None:
         """Load checkpoint `last`'s trainer state (as `save` wrote it) into the optimizer, scheduler, RNG and
@@ -497,7 +322,7 @@ class Run:
         if self.plan is not None:
             self.train_store.at(pos.step)  # online: the spool window this step reads (waits for it)
         self.backward_rows(packs, self.window.sums)
-        gnorm = optimizer_step(self.params, self.opt, cfg.grad_clip, self.sched)
+        gnorm = optim.step(self.params, self.opt, cfg.grad_clip, self.sched)
         pos.step += 1
         pos.epoch_step += 1
         if pos.step % cfg.log_every == 0 or pos.step == self.total:
