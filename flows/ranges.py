@@ -47,7 +47,7 @@ def run_ranges(out: str, wait_for=None, **inputs) -> tuple[HiddenStates, str, st
 def fresh_range(out: str, k: int, n: int):
     """The range task for range k of n: a cached range whose dir is gone (and whose store was never committed)
     must rerun."""
-    from eagle3.extract.run import range_dir
+    from eagle3.extract.ranges import range_dir
 
     done = HiddenRange.exists(range_dir(out, k, n)) or HiddenStates.exists(out)
     return extract_range_task if done else extract_range_task.with_options(refresh_cache=True)

@@ -95,7 +95,8 @@ def range_label(part: int, parts: int) -> str:
 
 
 def _range_key(i: dict[str, Any]) -> dict[str, Any]:
-    from eagle3.extract.run import inputs, range_inputs
+    from eagle3.extract.ranges import range_inputs
+    from eagle3.extract.resume import inputs
 
     cfg = i["cfg"]
     return {"format": HiddenRange.format_version,
@@ -110,7 +111,7 @@ def extract_range_task(model: str, prepared: str, out: str, cfg: ExtractConfig, 
                        devices: list[str] | None = None) -> HiddenRange:
     """Range `part` of cfg.workers into out/ranges/ (a retry resumes it alone, keeping its committed shards).
     `devices`: its engine's GPUs (CUDA_VISIBLE_DEVICES) where ranges share a host; None: what the process sees."""
-    from eagle3.extract.run import run_range
+    from eagle3.extract.ranges import run_range
 
     log, what = get_run_logger(), range_label(part, cfg.workers)
     progress = _pace(log, what)
@@ -142,7 +143,7 @@ def range_headline(m: HiddenRange) -> str:
 def commit_task(model: str, prepared: str, out: str, cfg: ExtractConfig, reuse: list[str] | None = None,
                 trust_remote_code: bool = False) -> HiddenStates:
     """The finished ranges' shards moved into one store (the extract stage's output; no GPU, no copy)."""
-    from eagle3.extract.run import commit_ranges
+    from eagle3.extract.ranges import commit_ranges
 
     m = commit_ranges(model, prepared, out, cfg, trust_remote_code=trust_remote_code)
     get_run_logger().info("extract: %d ranges committed: %d samples, %d tokens in %d shards", cfg.workers,

@@ -34,7 +34,7 @@ class _FlakyOnce:
 def test_retry_resumes_and_cache_keys_on_content(tiny_llama_dir, tmp_path, monkeypatch, prefect_env):
     from prefect import flow
 
-    import eagle3.extract.run as er
+    import eagle3.extract.shards as er  # plan_run builds the backend there
     from tasks.extract import extract_task
 
     rows = random_samples(1000, [100] * 6, seed=9)
@@ -73,7 +73,8 @@ def test_ranges_on_two_workers_retry_alone_and_commit_the_one_worker_store(tiny_
                                                                           prefect_env):
     """The extract flow with `workers: 2`, in this process: two range tasks at once, then the commit. The range
     that dies (on its second shard) is retried alone and keeps its first shard; the store equals one worker's."""
-    import eagle3.extract.run as er
+    import eagle3.extract.shards as er  # plan_run builds the backend there
+    from eagle3.extract.ranges import RANGES
     from flows.stages import extract
     from tasks.extract import extract_range_task
 
@@ -90,7 +91,7 @@ def test_ranges_on_two_workers_retry_alone_and_commit_the_one_worker_store(tiny_
     m = extract(str(tiny_llama_dir), str(prep), str(tmp_path / "out"), two)
     assert _FlakyOnce.failed
     assert [(s.file, s.sha256) for s in m.shards] == [(s.file, s.sha256) for s in ref.shards]
-    assert m.fingerprint == ref.fingerprint and not (tmp_path / "out" / er.RANGES).exists()
+    assert m.fingerprint == ref.fingerprint and not (tmp_path / "out" / RANGES).exists()
     assert sorted(r["shards_skipped"] for r in m.stats["ranges"]) == [0, 1]  # the retried range resumed
     assert [r["shards"] for r in m.stats["ranges"]] == [3, 3]
     # Again: the ranges and the commit come from the cache (no backend is built).

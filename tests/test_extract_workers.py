@@ -13,7 +13,9 @@ import time
 import pytest
 
 from eagle3.config import ExtractConfig
-from eagle3.extract.run import RANGES, commit_ranges, range_dir, run_extract, run_range, split_plans
+from eagle3.extract.ranges import RANGES, commit_ranges, range_dir, run_range
+from eagle3.extract.run import run_extract
+from eagle3.extract.shards import split_plans
 from eagle3.storage.hashing import sha256_file
 from eagle3.storage.manifests import HiddenRange, HiddenStates
 from eagle3.storage.store import ShardPlan

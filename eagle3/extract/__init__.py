@@ -24,7 +24,8 @@ def _run(out, cfg: ExtractConfig, *, model, prepared, reuse=(), trust_remote_cod
          part: int | None = None, commit: bool = False, progress=None) -> HiddenStates | HiddenRange:
     """A progress callback (tokens done, total) replaces the console's bar. `part`: only that range of cfg.workers
     (HiddenRange); `commit`: only the commit of the finished ranges."""
-    from eagle3.extract.run import commit_ranges, run_extract, run_range
+    from eagle3.extract.ranges import commit_ranges, run_range
+    from eagle3.extract.run import run_extract
 
     if part is not None and commit:
         raise UserError("extract: --part runs one range and --commit commits them all; give one of the two")
@@ -38,7 +39,7 @@ def _run(out, cfg: ExtractConfig, *, model, prepared, reuse=(), trust_remote_cod
 
 
 def _inputs(cfg: ExtractConfig, *, model, prepared, trust_remote_code: bool = False, **_) -> dict:
-    from eagle3.extract.run import inputs
+    from eagle3.extract.resume import inputs
 
     return inputs(model, prepared, cfg, trust_remote_code)
 

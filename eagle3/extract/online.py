@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import SPOOL_WAIT_S, ExtractConfig
-from eagle3.extract.run import Backend, Samples, check_engine_length, inputs, load_samples, make_backend
+from eagle3.extract.backend import Backend, make_backend
+from eagle3.extract.resume import inputs
+from eagle3.extract.samples import Samples, check_engine_length, load_samples
 from eagle3.model.target import Target
 from eagle3.runtime.heap import retain_freed_memory
 from eagle3.storage.atomic import atomic_write_json

@@ -205,7 +205,7 @@ class HiddenStates(StageManifest):
 
 class HiddenRange(StageManifest):
     """Output of one range of a several-worker extraction (`ranges/{k:03d}-of-{n:03d}/manifest.json`): its shards,
-    checksummed, before the commit step moves them into the store (eagle3/extract/run.py). `inputs` are the
+    checksummed, before the commit step moves them into the store (eagle3/extract/ranges.py). `inputs` are the
     store's inputs plus `range: [k, n]`."""
 
     stage: ClassVar[str] = "extract-range"

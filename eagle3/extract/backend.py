@@ -1,0 +1,43 @@
+"""The backend that computes hidden states (transformers or vLLM, eagle3/extract/hf.py and vllm.py), built one at
+a time per process."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from eagle3.config import ExtractConfig
+from eagle3.model.target import Target
+
+
+class Backend(Protocol):
+    name: str
+
+    def extract(self, samples, on_tokens=None):  # -> Iterator[(sample_id, token_ids [T], hidden [T, L, H])]
+        ...
+
+
+
+# One backend built at a time per process. Ranges (and online producers) may run as threads of one process, and
+# transformers' loading swaps process-wide hooks while it builds a model on the meta device: two loads interleaving
+# can leave them swapped, and every model built after that in the process has meta weights (seen in the tests).
+_BUILD = threading.Lock()
+
+
+
+def make_backend(cfg: ExtractConfig, target: Target, layer_ids: list[int], out: Path, max_len: int) -> Backend:
+    """Build the backend `cfg.backend` names (heavy: loads the model), one at a time in a process."""
+    with _BUILD:
+        return _make_backend(cfg, target, layer_ids, out, max_len)
+
+
+
+def _make_backend(cfg: ExtractConfig, target: Target, layer_ids: list[int], out: Path, max_len: int) -> Backend:
+    if cfg.backend == "hf":
+        from eagle3.extract.hf import HFBackend
+
+        return HFBackend(target.load_model(head=False), layer_ids, cfg.batch_tokens)
+    from eagle3.extract.vllm import VllmBackend
+
+    return VllmBackend(target.path, layer_ids, cfg, max_len=max_len, tmp_dir=out / ".vllm-hidden-states",
+                       trust_remote_code=target.trust_remote_code)
