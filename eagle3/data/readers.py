@@ -158,6 +158,10 @@ def iter_json_array(path: Path, stats: ReadStats, chunk: int = 1 << 20) -> Itera
     Invalid UTF-8 is decoded with surrogateescape so one bad byte costs one record (counted
     as `non_utf8`), not the file. A record that fails to parse mid-file is counted as
     `malformed_json` and the reader resynchronizes at the next object that parses.
+
+    One piece on purpose: the buffer, the position in it, the record index and the end-of-file flag are one
+    state that every branch (refill, skip separators, decode, resynchronize) advances; split into functions,
+    they would travel as a mutable object through each of them and the loop would read no simpler.
     """
     dec = json.JSONDecoder()
     udec = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")

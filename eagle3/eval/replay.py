@@ -100,7 +100,6 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress,
                    free_bytes) -> tuple[list[Turn], Path, float]:
     from eagle3.config import RegenConfig
     from eagle3.decoding.generate import HFGenerator, finish
-    from eagle3.model.target import prompt_ids
 
     if (d / TURNS).is_file():
         with open(d / TURNS, encoding="utf-8") as f:
@@ -128,16 +127,7 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress,
     meter = Meter("replay answers", waves * (max_new + tail), "steps", say=progress)
     for i in range(waves):  # one wave per turn: turn i needs each answer to turn i-1
         todo = [n for n, c in enumerate(convs) if c.turns > i]
-        prompts = []
-        for n in todo:
-            c = convs[n]
-            if i == 0:
-                prompts.append(c.ids if c.ids is not None else prompt_ids(tok, msgs[n]))
-                continue
-            answer = prev[n].ids[prev[n].prompt_len : prev[n].prompt_len + prev[n].answer_len]
-            text = tok.decode(answer, skip_special_tokens=True)  # as run_conversation renders the next turn
-            msgs[n] += [{"role": "assistant", "content": text}, {"role": "user", "content": c.followups[i - 1]}]
-            prompts.append(prompt_ids(tok, msgs[n]))
+        prompts = [_next_prompt(tok, convs[n], msgs[n], prev[n], i) for n in todo]
         if per_token is not None:  # on CPU, as many rows as fit beside what is resident now
             free = free_bytes if free_bytes is not None else proc_bytes("/proc/meminfo", "MemAvailable")
             rows = answer_rows(per_token, max(map(len, prompts)) + max_new + tail, free, batch_size)
@@ -163,6 +153,20 @@ def _continuations(target, model, convs, max_new, tail, batch_size, d, progress,
             "format": FORMAT, "turns": len(turns), "max_new": max_new, "tail": tail, "stop_ids": sorted(eos),
             "model_fingerprint": target.fingerprint(), "generate_seconds": round(seconds, 2)}))
     return turns, d, seconds
+
+
+def _next_prompt(tok, conv, msgs: list[dict], prev: "Turn | None", i: int) -> list[int]:
+    """The prompt of turn i of `conv`: its own ids (or rendered messages) at turn 0; later, the messages so far
+    plus the target's answer to turn i-1 (`prev`, decoded as run_conversation renders the next turn) and the next
+    user turn, appended to `msgs` in place."""
+    from eagle3.model.target import prompt_ids
+
+    if i == 0:
+        return conv.ids if conv.ids is not None else prompt_ids(tok, msgs)
+    answer = prev.ids[prev.prompt_len : prev.prompt_len + prev.answer_len]
+    text = tok.decode(answer, skip_special_tokens=True)
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": conv.followups[i - 1]}]
+    return prompt_ids(tok, msgs)
 
 
 # ---------------------------------------------------------------- step 2: aux states

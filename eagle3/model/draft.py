@@ -52,6 +52,25 @@ VERIFIER_FILE = "verifier.safetensors"
 
 
 # ---------------------------------------------------------------- config
+def _attention_shape(cfg: dict[str, Any], layer: str, head_dim: int,
+                     scaling: dict | None) -> tuple[int, dict | None, dict[str, Any]]:
+    """(head_dim, rope_scaling, MLA widths) of the draft's attention for a target's text config: a Llama layer
+    copies the target's (an MLA target's: MLA_DRAFT_HEAD_DIM and plain RoPE); an MLA layer (an MLA target only)
+    takes the target's MLA widths, its head_dim the query's nope + rope parts."""
+    if layer == "mla":
+        if not is_mla(cfg):
+            raise ValueError("an MLA draft layer needs an MLA target (DeepSeek-V3, Kimi-K2.5: kv_lora_rank in "
+                             "its config); use the llama draft layer")
+        mla = {k: cfg.get(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                       "v_head_dim")}
+        return int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]), scaling, mla
+    if layer != "llama":
+        raise ValueError(f"draft layer {layer!r}: llama or mla")
+    if is_mla(cfg):
+        return MLA_DRAFT_HEAD_DIM, None, {}
+    return head_dim, scaling, {}
+
+
 class DraftConfig(BaseModel):
     """Shape and switches of one EAGLE-3 draft head. Build it with `DraftConfig.from_target`.
 
@@ -192,19 +211,7 @@ class DraftConfig(BaseModel):
         H = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         theta, scaling = rope_of(cfg)
-        head_dim = cfg.get("head_dim") or H // heads
-        mla: dict[str, Any] = {}
-        if layer == "mla":
-            if not is_mla(cfg):
-                raise ValueError("an MLA draft layer needs an MLA target (DeepSeek-V3, Kimi-K2.5: kv_lora_rank in "
-                                 "its config); use the llama draft layer")
-            mla = {k: cfg.get(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                           "v_head_dim")}
-            head_dim = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
-        elif layer != "llama":
-            raise ValueError(f"draft layer {layer!r}: llama or mla")
-        elif is_mla(cfg):
-            head_dim, scaling = MLA_DRAFT_HEAD_DIM, None
+        head_dim, scaling, mla = _attention_shape(cfg, layer, cfg.get("head_dim") or H // heads, scaling)
         return cls(
             hidden_size=H,
             target_hidden_size=H,

@@ -25,7 +25,6 @@ speculative_tokens and the verifier's name_or_path).
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from safetensors.torch import save_file
 
 from eagle3.model.draft import DraftConfig, Eagle3Draft
 from eagle3.model.target import Target, default_aux_ids
-from eagle3.storage.atomic import atomic_dir, atomic_write_json
+from eagle3.storage.atomic import atomic_dir, atomic_write_json, read_json_object
 
 WEIGHTS = "model.safetensors"
 SKIP = ("embed_tokens.weight",)
@@ -234,15 +233,21 @@ def load_draft(
     cpath = d / "config.json"
     if not cpath.is_file():
         raise ValueError(f"{d}: no config.json (expected an EAGLE-3 draft dir)")
-    try:
-        cfg = json.loads(cpath.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cpath}: not valid JSON: {e}") from None
+    cfg = read_json_object(cpath, "a draft config (a JSON object)")
     fmt = draft_format(cfg)
     tensors, files = _read_weights(d)
     t = {draft_name(k): v for k, v in tensors.items()}
-    where = f"{d} ({files})"
+    model = Eagle3Draft(_draft_config(cfg, fmt, t, cpath, target_dir))
+    state = _draft_state(t, model.state_dict(), f"{d} ({files})", target_embedding, model.config.vocab_size,
+                         model.config.draft_vocab_size)
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return model.eval(), fmt
 
+
+def _draft_config(cfg: dict, fmt: str, t: dict[str, torch.Tensor], cpath: Path, target_dir: str | Path) -> DraftConfig:
+    """The draft's config from its config.json (`cfg`, in format `fmt`) and the target's: the layer's shape, the
+    aux layer ids (vLLM's default where absent), and the switches (absent means off, as vLLM's loader reads
+    them; norm_before_fc and fc_norm on where the weights `t` hold theirs)."""
     tgt = Target.open(target_dir).text
     layer = dict(cfg.get("transformer_layer_config") or {}) if fmt == "speculators" else dict(cfg)
     kind = "mla" if layer.get("kv_lora_rank") is not None else "llama"  # DeepSeek's MLA draft (vLLM's key)
@@ -274,9 +279,14 @@ def load_draft(
     th = int(cfg.get("target_hidden_size") or tgt["hidden_size"])
     if th != c.target_hidden_size:
         c = DraftConfig(**{**c.model_dump(), "target_hidden_size": th})
-    model = Eagle3Draft(c)
+    return c
 
-    want = model.state_dict()
+
+def _draft_state(t: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str,
+                 target_embedding: torch.Tensor | None, V: int, Vd: int) -> dict[str, torch.Tensor]:
+    """The weights `t` checked against the draft's own (`want`: names and shapes), with what a dir may leave out
+    filled in: the embedding (the target's, as vLLM shares it), d2t (from t2d, or the identity for a full draft
+    vocab) and t2d (from d2t)."""
     optional = {"embed_tokens.weight", "t2d", "d2t"}
     ignored = {k for k in t if k.startswith(("verifier_", "rotary_emb")) or k == "mask_hidden"}
     missing = sorted(set(want) - set(t) - optional)
@@ -307,8 +317,7 @@ def load_draft(
         state["t2d"] = t2d
     state["d2t"] = state["d2t"].long()
     state["t2d"] = state["t2d"].bool()
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    return model.eval(), fmt
+    return state
 
 
 def dir_fingerprint(d: str | Path) -> str:

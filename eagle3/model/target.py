@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from eagle3.storage.atomic import read_json_object
 from eagle3.storage.hashing import sha256_bytes, sha256_file, sha256_file_cached
 
 INDEX = "model.safetensors.index.json"
@@ -193,12 +194,7 @@ class Target:
         cpath = p / "config.json"
         if not cpath.is_file():
             raise ValueError(f"{p}: no config.json (expected an HF model dir)")
-        try:
-            config = json.loads(cpath.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{cpath}: not valid JSON: {e}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{cpath}: top level must be a JSON object")
+        config = read_json_object(cpath, "a model config (a JSON object)")
         t = cls(p, config, trust_remote_code)
         t._require("num_hidden_layers", "hidden_size", "vocab_size")
         return t

@@ -376,6 +376,14 @@ class _Run:
                 "unreadable_tail_bytes": self.read_stats.unreadable_tail_bytes}
 
 
+def _counts(st) -> dict:
+    """The manifest's record and turn counts from the run's state."""
+    return dict(records_read=st.records_read, records_written=st.records_written,
+                skipped=dict(sorted(st.skipped.items())), skip_examples=st.skip_examples,
+                turns_written=st.turns_written, turns_cut=st.turns_cut, conversations_shortened=st.shortened,
+                samples=st.samples)
+
+
 def regenerate(
     model: str | Path,
     data: str,
@@ -428,10 +436,7 @@ def regenerate(
     m = RegeneratedData(
         config=cfg.model_dump(mode="json"), inputs=fp, model_dir=str(model), model_fingerprint=fp["model"],
         source=str(src), source_fingerprint=fp["source"], backend=generator.name, settings=settings,
-        sha256=sha256_file(out / OUT_FILE), records_read=st.records_read, records_written=st.records_written,
-        skipped=dict(sorted(st.skipped.items())), skip_examples=st.skip_examples, turns_written=st.turns_written,
-        turns_cut=st.turns_cut, conversations_shortened=st.shortened, samples=st.samples, stats=run.stats(),
-    )
+        sha256=sha256_file(out / OUT_FILE), **_counts(st), stats=run.stats())
     m.write(out)
     (out / PREVIOUS).unlink(missing_ok=True)
     log.info("regenerate: %d of %d records written (%d reused, %d resumed), %d tokens generated at %.1f tok/s; "

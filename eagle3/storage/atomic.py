@@ -272,3 +272,16 @@ def clean_temp_files(directory: str | os.PathLike) -> int:
                 p.unlink()
             n += 1
     return n
+
+
+def read_json_object(path: str | os.PathLike, what: str = "a JSON object") -> dict[str, Any]:
+    """The JSON object in file `path` (which must exist). Bad UTF-8 or JSON, or another top-level value, is a
+    ValueError naming the file: `what` says what the object should have been."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON {type(data).__name__}, not {what}")
+    return data

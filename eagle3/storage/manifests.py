@@ -14,7 +14,7 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import BaseModel, Field
 
 from eagle3 import __version__
-from eagle3.storage.atomic import atomic_write_json
+from eagle3.storage.atomic import atomic_write_json, read_json_object
 from eagle3.storage.hashing import sha256_json
 
 MANIFEST = "manifest.json"
@@ -67,12 +67,7 @@ class StageManifest(BaseModel):
         path = Path(out_dir) / MANIFEST
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no {cls.stage} manifest (has the {cls.stage} stage finished?)")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: a JSON {type(data).__name__}, not a manifest (a JSON object)")
+        data = read_json_object(path, "a manifest (a JSON object)")
         if data.get("kind") != cls.stage:
             raise ValueError(f"{path}: is a {data.get('kind')!r} manifest, expected {cls.stage!r}")
         if data.get("version") != cls.format_version:

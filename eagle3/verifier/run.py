@@ -83,7 +83,20 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
     target = Target.open(model_dir)
     names = target.weight_names()  # where the text model's tensors sit (VLM wrappers resolved)
     d2t, t2d, prep = load_vocab_map(prepared_dir)
+    tensors = _tensors(target, names, d2t, t2d, Path(prepared_dir) / prep.vocab_map.file)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clean_temp_files(out_dir)  # a killed run's temp file (this stage writes nothing else that could be half done)
+    with atomic_path(out_dir / OUT_FILE) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    man = _manifest(target, names, tensors, fp, prepared_dir, prep.vocab_map.file, sha256_file(out_dir / OUT_FILE))
+    man.write(out_dir)
+    return man
 
+
+def _tensors(target: Target, names: dict[str, str | None], d2t: torch.Tensor, t2d: torch.Tensor,
+             vocab_file: Path) -> dict[str, torch.Tensor]:
+    """The verifier's tensors, read from the target's shards and checked: embed_tokens [V, H], norm [H], lm_head
+    [V, H] (the embedding's copy where tied), lm_head_draft [Vd, H] (the rows of the draft vocab), d2t and t2d."""
     embed = target.read(names["embed_tokens"])  # [V, H]
     norm = target.read(names["norm"])  # [H]
     lm_head = embed.clone() if names["lm_head"] is None else target.read(names["lm_head"])  # [V, H]
@@ -99,8 +112,8 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
     try:
         target_ids = check_vocab_map(d2t, t2d, V)
     except ValueError as e:
-        raise ValueError(f"{Path(prepared_dir) / prep.vocab_map.file}: {e}") from None
-    tensors = {
+        raise ValueError(f"{vocab_file}: {e}") from None
+    return {
         "embed_tokens": embed.contiguous(),
         "norm": norm.contiguous(),
         "lm_head": lm_head.contiguous(),
@@ -108,11 +121,11 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
         "d2t": d2t.contiguous(),
         "t2d": t2d.contiguous(),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    clean_temp_files(out_dir)  # a killed run's temp file (this stage writes nothing else that could be half done)
-    with atomic_path(out_dir / OUT_FILE) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
 
+
+def _manifest(target: Target, names: dict[str, str | None], tensors: dict[str, torch.Tensor], fp: dict,
+              prepared_dir: str | Path, vocab_file: str, sha256: str) -> VerifierWeights:
+    """The stage's manifest: each tensor's shape, dtype and source, and the hash of every target file read."""
     wmap = target.weight_map
     used = {"config.json"} | {wmap[n] for n in names.values() if n is not None}
     if (target.path / INDEX).is_file():
@@ -123,16 +136,17 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
         "norm": names["norm"],
         "lm_head": names["lm_head"] or f"{names['embed_tokens']} (tied)",
         "lm_head_draft": "lm_head rows arange(Vd) + d2t",
-        "d2t": f"{prep.vocab_map.file} (prepare)",
-        "t2d": f"{prep.vocab_map.file} (prepare)",
+        "d2t": f"{vocab_file} (prepare)",
+        "t2d": f"{vocab_file} (prepare)",
     }
-    man = VerifierWeights(
+    V, H = tensors["embed_tokens"].shape
+    return VerifierWeights(
         config={"model": str(target.path), "prepared": str(prepared_dir)},
         inputs=fp,
         model_dir=str(target.path),
         architecture=target.architecture,
         file=OUT_FILE,
-        sha256=sha256_file(out_dir / OUT_FILE),
+        sha256=sha256,
         tensors={
             k: TensorInfo(shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."), source=source[k])
             for k, v in tensors.items()
@@ -141,8 +155,6 @@ def extract_verifier(model_dir: str | Path, prepared_dir: str | Path, out_dir: s
         tied_embeddings=names["lm_head"] is None,
         hidden_size=H,
         vocab_size=V,
-        draft_vocab_size=int(d2t.shape[0]),
+        draft_vocab_size=int(tensors["d2t"].shape[0]),
         rms_norm_eps=float(target.text.get("rms_norm_eps", 1e-6)),
     )
-    man.write(out_dir)
-    return man
