@@ -81,7 +81,7 @@ def reset_spool(spool: str | Path) -> None:
 def partner_gone(spool: str | Path, beat: str, wait_s: float, since: float) -> bool:
     """Whether the other side's beat file (eagle3.storage.spool: producer.beat or trainer.beat) has been silent
     for `wait_s` seconds or more, counting from `since` (a wall-clock time) when it was never touched."""
-    from eagle3.storage.spool import silent_for
+    from eagle3.storage.liveness import silent_for
 
     return silent_for(Path(spool) / beat, since) >= wait_s
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import ExtractConfig, PrepareConfig, TrainConfig
+from eagle3.storage import liveness as lv
 from eagle3.storage import spool as sp
 from eagle3.storage.manifests import SpoolSource
 
@@ -195,7 +196,7 @@ def test_the_cap_counts_every_reservation_and_the_trainer_waits_on_the_window_ow
     assert s.held() == sp.spool_dir_bytes(tmp_path) == 1500
 
     def waiting_for(step: int, wait_s: float) -> sp.SpoolReader:
-        waits = [sp.Waiter(tmp_path, f"producer-{k}.beat", wait_s, "the next shard", sp.PRODUCER_ERRORS)
+        waits = [lv.Waiter(tmp_path, f"producer-{k}.beat", wait_s, "the next shard", sp.PRODUCER_ERRORS)
                  for k in range(2)]
         r = sp.SpoolReader(s, p, "train", src.lengths["train"], waits, main=True, barrier=lambda: None)
         r.at(step)
@@ -208,13 +209,13 @@ def test_the_cap_counts_every_reservation_and_the_trainer_waits_on_the_window_ow
 
     later = threading.Timer(10, show_up)
     later.start()
-    with sp.beating(tmp_path / "producer-0.beat", tmp_path / sp.PRODUCER_BEAT):  # producer 0 lives, 1 is silent
+    with lv.beating(tmp_path / "producer-0.beat", tmp_path / sp.PRODUCER_BEAT):  # producer 0 lives, 1 is silent
         r = waiting_for(p.train[1].first, 0.5)
         with pytest.raises(RuntimeError, match=r"the producer-1 has shown no sign of life for \d+ s \(producer-1.beat"):
             r[p.train[1].rows[0]]
         err = tmp_path / "producer-1.error"
         err.write_text("RuntimeError: engine died")
-        os.utime(err, (time.time() - sp.ERROR_GRACE - 1,) * 2)  # no restart of producer 1 cleared it in time
+        os.utime(err, (time.time() - lv.ERROR_GRACE - 1,) * 2)  # no restart of producer 1 cleared it in time
         r = waiting_for(p.train[2].first, 60)  # producer 0's window; producer 1's error fails it all the same
         with pytest.raises(RuntimeError, match=r"the producer-1 failed \(producer-1.error\): RuntimeError: engine"):
             r[p.train[2].rows[0]]

@@ -28,6 +28,7 @@ from eagle3.extract.samples import Samples, check_engine_length, load_samples
 from eagle3.model.target import Target
 from eagle3.runtime.heap import retain_freed_memory
 from eagle3.storage.atomic import atomic_write_json
+from eagle3.storage.liveness import Waiter, alone, beating, reporting
 from eagle3.storage.manifests import PreparedData, SpooledStates, SpoolSource
 from eagle3.storage.spool import (
     PLAN,
@@ -37,13 +38,9 @@ from eagle3.storage.spool import (
     Order,
     Spool,
     SpoolPlan,
-    Waiter,
     Window,
-    alone,
-    beating,
     plan_spool,
     producer_name,
-    reporting,
     window_key,
     window_of_file,
 )

@@ -24,16 +24,15 @@ the producers know before the trainer starts which samples each step reads, and 
 same windows from the same `Order`, budget and number of producers (the trainer reads the last two from
 plan.json); the trainer refuses a plan.json that differs from its own.
 
-Several producers (`extract.workers = N`, producer k of N: `part=k`) fill one spool, each with its
-own engine, on hosts that all see the spool dir. Producer k owns the train windows j with j % N == k (and
-producer N - 1 the val window, so that producer 0 starts on train window 0 beside it): it writes only
-those, under its own name `producer-k` (its .beat, .error, .lock, .reserve and .stats.json; with one
-producer the name is `producer`). Any producer deletes the windows
-behind the trainer's position (under spool.lock, which orders it against reservations): a producer busy
-computing a window, or killed, then holds no room the trainer has left. The last producer to finish
-merges every producer's stats.json into manifest.json (`SpooledStates.read(spool)`). Every live
-producer also touches producer.beat, so the trainer fails when all producers are silent for wait_s, when
-the owner of the window it waits for is, or when any producer's error file stays past ERROR_GRACE.
+Several producers (`extract.workers = N`, producer k of N: `part=k`) fill one spool, each with its own engine, on
+hosts that all see the spool dir. Producer k owns the train windows j with j % N == k (and producer N - 1 the val
+window, so that producer 0 starts on train window 0 beside it): it writes only those, under its own name `producer-k`
+(its .beat, .error, .lock, .reserve and .stats.json; with one producer the name is `producer`). Any producer deletes
+the windows behind the trainer's position (under spool.lock, which orders it against reservations): a producer busy
+computing a window, or killed, then holds no room the trainer has left. The last producer to finish merges every
+producer's stats.json into manifest.json (`SpooledStates.read(spool)`). Every live producer also touches
+producer.beat, so the trainer fails when all producers are silent for wait_s, when the owner of the window it waits
+for is, or when any producer's error file stays past ERROR_GRACE.
 
 Budget: the val shard plus the train shards on disk (temp files included) never exceed `spool_bytes`.
 A producer writes a window only after reserving it under spool.lock (an flock, so producers on several
@@ -60,8 +59,6 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -71,8 +68,9 @@ from typing import Any
 
 import torch
 
-from eagle3.storage.atomic import atomic_write_json, atomic_write_text
+from eagle3.storage.atomic import atomic_write_json
 from eagle3.storage.hashing import sha256_json
+from eagle3.storage.liveness import BEAT_EVERY, Waiter
 from eagle3.storage.manifests import SpoolSource
 from eagle3.storage.order import epoch_packs, micro_packs, steps_per_epoch, val_packs
 from eagle3.storage.store import SHARD_DIR, as_sample, mmap_shard, shard_meta, shard_problem
@@ -81,10 +79,6 @@ PLAN, POSITION, LOCK = "plan.json", "position.json", "spool.lock"
 PRODUCER_BEAT, TRAINER_BEAT = "producer.beat", "trainer.beat"  # producer.beat: touched by every live producer
 PRODUCER_ERROR, TRAINER_ERROR = "producer.error", "trainer.error"
 PRODUCER_ERRORS = "producer*.error"  # every producer's error file (the trainer fails on any)
-BEAT_EVERY = 2.0  # seconds between a live side's touches of its beat file
-POLL = 0.1  # seconds between looks at the spool while waiting
-SAY_EVERY = 30.0  # seconds between the log lines of a side that waits
-ERROR_GRACE = 60.0  # seconds a side that failed has to be restarted (a Prefect retry) before the other fails too
 # A shard's bytes beyond its tokens: the safetensors header (per sample: its 64-hex id and length; per
 # tensor: name, dtype, shape, offsets) and alignment. Measured headers stay under half of this.
 HEADER_PER_SAMPLE, HEADER_FIXED = 128, 4096
@@ -236,97 +230,6 @@ def plan_spool(source: SpoolSource, order: Order, spool_bytes: int, bytes_per_to
 def window_key(p: SpoolPlan, w: Window) -> str:
     """What a window's shard holds: the plan's source and the window's samples (its bytes follow from them)."""
     return sha256_json({"plan": p.key, "split": w.split, "rows": w.rows})
-
-
-# ---------------------------------------------------------------- life signs
-@contextlib.contextmanager
-def beating(*paths: Path) -> Iterator[None]:
-    """Touch `paths` every BEAT_EVERY seconds while the block runs (a thread: a side busy loading a model or in
-    a long step still shows it is alive); a dead process stops touching them."""
-    stop = threading.Event()
-
-    def touch() -> None:
-        while True:
-            for path in paths:
-                with contextlib.suppress(OSError):
-                    path.touch()
-            if stop.wait(BEAT_EVERY):
-                return
-
-    t = threading.Thread(target=touch, name=f"beat {paths[0].name}", daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join()
-
-
-@contextlib.contextmanager
-def reporting(path: Path) -> Iterator[None]:
-    """A failure of the block is written to `path` (the other side, waiting on this one, fails on it once no new
-    run of this side has cleared it for ERROR_GRACE seconds); a start clears an earlier run's."""
-    path.unlink(missing_ok=True)
-    try:
-        yield
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            atomic_write_text(path, f"{type(e).__name__}: {e}"[:4000])
-        raise
-
-
-@contextlib.contextmanager
-def alone(path: Path) -> Iterator[None]:
-    """Hold `path` (an flock, dropped by the kernel however the holder dies) while the block runs: a second
-    producer of the same part of a spool fails at once instead of writing its windows beside the first."""
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise RuntimeError(f"{path.parent}: {path.stem} is already running ({f.read().strip() or 'pid ?'}); "
-                               "wait for it, or end it first") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        f.flush()
-        yield
-
-
-def silent_for(path: Path, since: float) -> float:
-    """Seconds since `path` was last touched (or since `since`, when it never was)."""
-    try:
-        return time.time() - max(path.stat().st_mtime, since)
-    except FileNotFoundError:
-        return time.time() - since
-
-
-class Waiter:
-    """Waits for a condition while the other side lives: raises once its beat file `other` has been silent
-    `wait_s` seconds, or once an error file matching `errors` (default: the beat's own) stays ERROR_GRACE."""
-
-    def __init__(self, root: Path, other: str, wait_s: float, what: str, errors: str | None = None):
-        self.beat, self.wait_s, self.what, self.since = root / other, wait_s, what, time.time()
-        self.errors = errors or self.beat.with_suffix(".error").name
-
-    def __call__(self, ready: Callable[[], Any]) -> Any:
-        t0 = told = time.time()
-        while not (got := ready()):
-            if time.time() - told >= SAY_EVERY:  # a wait is never silent: the log shows who waits on whom
-                told = time.time()
-                print(f"{self.beat.parent}: waiting for {self.what} ({told - t0:.0f} s; the {self.beat.stem} was "
-                      f"last seen {silent_for(self.beat, self.since):.0f} s ago)", file=sys.stderr, flush=True)
-            for error in self.beat.parent.glob(self.errors):
-                with contextlib.suppress(FileNotFoundError):
-                    if time.time() - error.stat().st_mtime > min(self.wait_s, ERROR_GRACE):
-                        raise RuntimeError(f"{self.beat.parent}: waited for {self.what}, but the {error.stem} failed "
-                                           f"({error.name}): {error.read_text()}")
-            quiet = silent_for(self.beat, self.since)
-            if quiet > self.wait_s:
-                raise RuntimeError(f"{self.beat.parent}: waited for {self.what}, but the {self.beat.stem} has shown no "
-                                   f"sign of life for {quiet:.0f} s ({self.beat.name}); is it running?")
-            time.sleep(POLL)
-        return got
 
 
 # ---------------------------------------------------------------- the spool dir

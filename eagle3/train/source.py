@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, ClassVar, ContextManager
 
 from eagle3.config import SPOOL_WAIT_S
-from eagle3.storage import spool
+from eagle3.storage import liveness, spool
 from eagle3.storage.manifests import HiddenStates, SpoolSource
 from eagle3.storage.store import bytes_per_token, open_store
 
@@ -76,8 +76,8 @@ class Spooled:
         """On rank 0: a failure written where the producer sees it, and a heartbeat while the run lives."""
         stack = ExitStack()
         if main:
-            stack.enter_context(spool.reporting(self.dir / spool.TRAINER_ERROR))
-            stack.enter_context(spool.beating(self.dir / spool.TRAINER_BEAT))
+            stack.enter_context(liveness.reporting(self.dir / spool.TRAINER_ERROR))
+            stack.enter_context(liveness.beating(self.dir / spool.TRAINER_BEAT))
         return stack
 
     def done(self, steps: int, main: bool) -> None:
