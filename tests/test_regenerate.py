@@ -16,7 +16,8 @@ from eagle3.config import PrepareConfig, RegenConfig
 from eagle3.decoding.generate import Gen
 from eagle3.model.target import Target, prompt_ids
 from eagle3.regenerate.hf import load_hf
-from eagle3.regenerate.run import OUT_FILE, PREVIOUS, PROGRESS, clean_answer, read_records, regenerate
+from eagle3.regenerate.resume import OUT_FILE, PREVIOUS, PROGRESS
+from eagle3.regenerate.run import clean_answer, read_records, regenerate
 
 REPO = Path(__file__).resolve().parents[1]
 

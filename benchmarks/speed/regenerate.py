@@ -30,7 +30,8 @@ from eagle3.config import RegenConfig
 from eagle3.decoding.generate import HFGenerator
 from eagle3.model.target import Target
 from eagle3.regenerate.hf import load_hf
-from eagle3.regenerate.run import OUT_FILE, regenerate
+from eagle3.regenerate.resume import OUT_FILE
+from eagle3.regenerate.run import regenerate
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -34,7 +34,8 @@ def _run(out, cfg: RegenConfig, *, model, data, reuse=(), trust_remote_code: boo
 
 def _inputs(cfg: RegenConfig, *, model, data, trust_remote_code: bool = False, **_) -> dict:
     # the output's format is part of the key: a new file layout must not hit an old cache entry
-    from eagle3.regenerate.run import FORMAT, inputs
+    from eagle3.regenerate.resume import FORMAT
+    from eagle3.regenerate.run import inputs
 
     return {"format": [RegeneratedData.format_version, FORMAT], **inputs(model, data, cfg, trust_remote_code)}
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,18 +43,13 @@ from eagle3.data.normalize import Skip, normalize
 from eagle3.data.readers import Bad, ReadStats, fingerprint_source, iter_source, resolve_source
 from eagle3.decoding.generate import Generator
 from eagle3.model.target import Target, prompt_ids
+from eagle3.regenerate.resume import FORMAT, OUT_FILE, PREVIOUS, ReuseIndex, State, commit, finished, resume
 from eagle3.runtime.heap import retain_freed_memory
-from eagle3.storage.atomic import atomic_write_json, clean_temp_files, fsync_dir
 from eagle3.storage.hashing import sha256_file, sha256_json
-from eagle3.storage.manifests import MANIFEST, RegeneratedData
+from eagle3.storage.manifests import RegeneratedData
 
 log = logging.getLogger("eagle3.regenerate")
 
-OUT_FILE = "regenerated.jsonl"
-PROGRESS = "progress.json"
-PREVIOUS = ".previous.jsonl"  # this dir's earlier output, kept as a reuse source until the run ends
-FORMAT = 1  # of the JSONL records and of progress.json
-_EXAMPLES = 3  # record ids kept per skip reason
 _SAMPLES = 3  # records shown side by side in the manifest
 _SAMPLE_CHARS = 600
 _THINK = re.compile(r"<think>.*?(</think>|\Z)", re.S)  # an unclosed block (cut by max_new_tokens) runs to the end
@@ -96,122 +90,6 @@ class _Conv:
     shortened: str = ""  # why the conversation ended before its last user turn
 
 
-@dataclass
-class _State:
-    """What progress.json holds: enough to continue a killed run at the next chunk."""
-
-    signature: str
-    bytes: int = 0
-    records_read: int = 0
-    records_written: int = 0
-    turns_written: int = 0
-    turns_cut: int = 0
-    shortened: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)
-    skip_examples: dict[str, list[str]] = field(default_factory=dict)
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    format: int = FORMAT
-
-    def skip(self, rid: str, reason: str, detail: str = "") -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        ex = self.skip_examples.setdefault(reason, [])
-        if len(ex) < _EXAMPLES:
-            ex.append(f"{rid}: {detail}" if detail else rid)
-
-
-# ================================================================ reuse index
-class ReuseIndex:
-    """key -> (file, byte offset, length) over earlier regenerated JSONL files; lines read on demand."""
-
-    def __init__(self) -> None:
-        self.where: dict[str, tuple[Path, int, int]] = {}
-
-    def add_file(self, path: Path, limit: int | None = None) -> int:
-        n = 0
-        with open(path, "rb") as f:
-            off = 0
-            for line in f:
-                if limit is not None and off + len(line) > limit:
-                    break
-                try:
-                    key = json.loads(line)["provenance"]["key"]
-                except (ValueError, KeyError, TypeError):
-                    key = None  # not one of ours, or torn: ignored
-                if isinstance(key, str) and key not in self.where:
-                    self.where[key] = (path, off, len(line))
-                    n += 1
-                off += len(line)
-        return n
-
-    def add_dir(self, d: str | Path) -> int:
-        """An earlier output dir (finished, or the committed part of an unfinished one)."""
-        d = Path(d)
-        f = d / OUT_FILE
-        if not f.is_file():
-            raise ValueError(f"--reuse {d}: no {OUT_FILE} (not a regenerate output dir)")
-        limit = None if (d / MANIFEST).is_file() else _committed_bytes(d / PROGRESS)
-        return self.add_file(f, limit)
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        hit = self.where.get(key)
-        if hit is None:
-            return None
-        path, off, n = hit
-        try:  # the file may have been rewritten since it was indexed: then the key check fails
-            with open(path, "rb") as f:
-                f.seek(off)
-                rec = json.loads(f.read(n))
-        except (OSError, ValueError):
-            return None
-        return rec if isinstance(rec, dict) and rec.get("provenance", {}).get("key") == key else None
-
-
-def _committed_bytes(progress: Path) -> int:
-    """Length of the committed part of an unfinished output (0 when unknown)."""
-    try:
-        return int(json.loads(progress.read_text()).get("bytes", 0))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0
-
-
-# ================================================================ driver
-def _open_state(out: Path, signature: str, reuse: ReuseIndex) -> _State:
-    """Continue a run with the same signature, or start over keeping the old output as a reuse source."""
-    f, prog, prev = out / OUT_FILE, out / PROGRESS, out / PREVIOUS
-    if prog.is_file():
-        try:
-            st = _State(**json.loads(prog.read_text()))
-        except (ValueError, TypeError):
-            st = None
-        if st is not None and st.signature == signature and st.format == FORMAT and f.is_file() \
-                and f.stat().st_size >= st.bytes:
-            with open(f, "rb+") as fh:  # drop a chunk that was appended but never committed
-                fh.truncate(st.bytes)
-                os.fsync(fh.fileno())
-            if prev.is_file():
-                reuse.add_file(prev)
-            return st
-    # A different run (or none) was here: what it committed may still be reused.
-    finished = (out / MANIFEST).is_file()
-    (out / MANIFEST).unlink(missing_ok=True)  # first: a manifest must never describe a file being replaced
-    if f.is_file():
-        size = f.stat().st_size
-        committed = size if finished else min(_committed_bytes(prog), size)
-        if committed > 0:
-            with open(f, "rb+") as fh:
-                fh.truncate(committed)
-                os.fsync(fh.fileno())
-            os.replace(f, prev)  # replaces an even older .previous.jsonl: this one has all we kept
-        else:
-            f.unlink()
-    if prev.is_file():
-        reuse.add_file(prev)
-    st = _State(signature=signature)
-    atomic_write_json(prog, st.__dict__)  # before the empty file: a crash in between starts over cleanly
-    f.write_bytes(b"")
-    return st
-
-
 def _chunks(src: Path, stats: ReadStats, size: int, limit: int | None) -> Iterator[tuple[int, list]]:
     """(index of its first record, records) in chunks of `size` read records (bad ones included), up to `limit`."""
     buf: list = []
@@ -239,31 +117,6 @@ def inputs(model: str | Path, data: str, cfg: RegenConfig, trust_remote_code: bo
     }
 
 
-def _finished(out: Path, fp: dict[str, Any]) -> RegeneratedData | None:
-    """The manifest in `out` if it was written for exactly these inputs (`fp`, see `inputs`) and its output
-    file is there, else None."""
-    if (out / MANIFEST).is_file():
-        try:
-            done = RegeneratedData.read(out)
-            if done.inputs == fp and (out / OUT_FILE).is_file():
-                return done
-        except ValueError:
-            pass
-    return None
-
-
-def _resume(out: Path, signature: str, reuse: Sequence[str | Path]) -> tuple[_State, ReuseIndex]:
-    """Open `out` for the run named by `signature`: the committed state to continue from (see `_open_state`)
-    and the index of earlier outputs (`reuse` dirs, other than `out` itself) whose lines can be copied."""
-    out.mkdir(parents=True, exist_ok=True)
-    clean_temp_files(out)
-    index = ReuseIndex()
-    for d in reuse:
-        if Path(d).resolve() != out.resolve():
-            index.add_dir(d)
-    return _open_state(out, signature, index), index
-
-
 @dataclass
 class _Run:
     """One regeneration in progress: the fixed setup and this process's counters.
@@ -280,7 +133,7 @@ class _Run:
     model_fp: str
     settings: dict[str, Any]
     index: ReuseIndex
-    st: _State
+    st: State
     read_stats: ReadStats = field(default_factory=ReadStats)
     t0: float = field(default_factory=time.perf_counter)
     gen_s: float = 0.0  # seconds spent inside the backend
@@ -304,7 +157,7 @@ class _Run:
         self.prompt_tokens += nprompt
         lines = self.lines(slots)
         self.st.records_read = start + len(chunk)
-        _commit(self.out, self.st, lines)
+        commit(self.out, self.st, lines)
 
     def plan(self, start: int, chunk: list) -> tuple[list[_Conv], list[tuple[int, _Conv | dict]]]:
         """Sort a chunk's records: skipped (unreadable, invalid), reused (a line with the same key is indexed)
@@ -404,7 +257,7 @@ def regenerate(
     target = Target.open(model, trust_remote_code)
     src = resolve_source(data)
     fp = inputs(model, data, cfg, trust_remote_code)
-    done = _finished(out, fp)
+    done = finished(out, fp)
     if done is not None:
         log.info("regenerate: %s already holds this exact result; nothing to do", out)
         return done
@@ -418,7 +271,7 @@ def regenerate(
     settings = cfg.settings(generator.dtype, max_len)
     signature = sha256_json({"format": FORMAT, "inputs": fp, "settings": settings, "limit": cfg.limit,
                              "same_role": cfg.same_role, "chunk": cfg.chunk_records})
-    st, index = _resume(out, signature, reuse)
+    st, index = resume(out, signature, reuse)
     run = _Run(out, cfg, tok, generator, max_len, fp["model"], settings, index, st)
 
     for start, chunk in _chunks(src, run.read_stats, cfg.chunk_records, cfg.limit):
@@ -506,18 +359,6 @@ def _sample(rec: dict[str, Any], original: list[dict[str, str]] | None) -> dict[
     return {"id": rec["id"], "user": cut(first(rec["messages"], "user")),
             "original": cut(first(original, "assistant")), "regenerated": cut(first(rec["messages"], "assistant")),
             "turns": len(rec["provenance"]["turns"])}
-
-
-def _commit(out: Path, st: _State, lines: list[bytes]) -> None:
-    """Append a chunk's lines (fsynced), then record the new committed length atomically."""
-    data = b"".join(lines)
-    with open(out / OUT_FILE, "ab") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    st.bytes += len(data)
-    atomic_write_json(out / PROGRESS, st.__dict__)
-    fsync_dir(out)
 
 
 def make_generator(target: Target, cfg: RegenConfig, max_len: int, eos: set[int]) -> Generator:
