@@ -6,6 +6,10 @@ errors raise `ValueError` at construction; nothing downstream re-validates.
 Descriptions are read in two UIs: Prefect's V1 renders them as markdown, V2 as plain text. So
 they hold no angle brackets (V1 swallows them as HTML), no asterisks (italics) and no
 backticks (V2 shows them raw); eagle3/form.py adds each field's limits to its description.
+
+One module on purpose: it is the schema. The CLI flags (eagle3/flags.py), the run form (eagle3/form.py) and
+every stage read these classes, and a setting, its bounds and its description are changed here and nowhere
+else; split by stage, the cross-stage checks of PipelineConfig would import every part back.
 """
 from __future__ import annotations
 

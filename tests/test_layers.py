@@ -209,3 +209,26 @@ def test_flows_hold_no_module_global_mutable_state():
                 if mutable and isinstance(t, ast.Name) and not t.id.isupper():
                     found.append(f"{p.relative_to(REPO)}:{node.lineno} {t.id}")
     assert not found, found
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 60
+
+
+def test_modules_and_functions_stay_small_unless_they_say_why():
+    """A module over 450 lines says in its docstring why it is "one module on purpose" (or file); a function
+    over 60 lines says "one piece on purpose". Everything else is split where it has seams."""
+    long_modules, long_functions = [], []
+    for path in sorted(p for d in ("eagle3", "tasks", "flows") for p in (REPO / d).rglob("*.py")):
+        text = path.read_text()
+        tree = ast.parse(text)
+        doc = " ".join((ast.get_docstring(tree) or "").lower().split())
+        if len(text.splitlines()) > MAX_MODULE_LINES and not ("one module on purpose" in doc
+                                                              or "one file on purpose" in doc):
+            long_modules.append(f"{path.relative_to(REPO)} ({len(text.splitlines())} lines)")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                why = " ".join((ast.get_docstring(node) or "").lower().split())
+                if n > MAX_FUNCTION_LINES and "one piece on purpose" not in why:
+                    long_functions.append(f"{path.relative_to(REPO)}:{node.name} ({n} lines)")
+    assert not long_modules and not long_functions, (long_modules, long_functions)

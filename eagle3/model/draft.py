@@ -1,5 +1,8 @@
 """The EAGLE-3 draft: config, modules and every forward pass, in one file.
 
+One file on purpose (over the house's 450 lines): what the draft computes must be read top to bottom in one
+place, since serving (vLLM) recomputes it and any drift between the two costs acceptance silently.
+
     h0   = fc(input_norm(cat(aux_low, aux_mid, aux_high)))            # [T, H], step 0 only
            (with fc_norm: cat(fc_norm_0(aux_low), fc_norm_1(aux_mid), fc_norm_2(aux_high)) instead)
     x    = cat(input_layernorm(embed(token)), hidden_norm(h))          # [T, 2H]

@@ -1,6 +1,8 @@
 """Everything eagle3 knows about a target model dir, read in one place.
 
-Every stage asks a `Target` for the facts it needs; nothing else parses a target's files.
+Every stage asks a `Target` for the facts it needs; nothing else parses a target's files. One module on
+purpose (over the house's 450 lines): the quirks of real checkpoints below (wrappers, aliases, padded vocabs,
+custom tokenizers) interact, and each is resolved once here for config, weights and tokenizer alike.
 
     t = Target.open("/models/Kimi-K2.5", trust_remote_code=True)
     t.num_layers, t.hidden_size, t.vocab_rows     # the text model's shape (61, 7168, 163840)
