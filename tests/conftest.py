@@ -66,8 +66,9 @@ def tiny_llama_dir(tmp_path_factory, request) -> Path:
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random Llama-3.1, Qwen3 and Kimi-K2.5 dirs laid out like their hub checkpoints (tests/families.py)."""
-    from families import FAMILIES, build, corpus
+    """Tiny random Llama-3.1, Qwen3 and Kimi-K2.5 dirs laid out like their hub checkpoints
+    (tests/helpers/families.py)."""
+    from tests.helpers.families import FAMILIES, build, corpus
 
     texts = corpus()
     root = tmp_path_factory.mktemp("families")
@@ -146,3 +147,27 @@ def _engine_watchdog(request):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory, tiny_llama_dir):
+    """The trainer tests' inputs: prepare -> extract -> verifier on the tiny Llama and 40 real ShareGPT
+    conversations (the first 40 of the bundled file, or of $EAGLE3_TEST_SHAREGPT: a copy of them, where the
+    package is absent), and a replay set: the target's greedy answers to the val prompts (root / "replay" names
+    its dir)."""
+    from eagle3.config import ExtractConfig, PrepareConfig
+    from eagle3.eval.replay import build_replay_set
+    from eagle3.extract import run_extract
+    from eagle3.prepare import prepare
+    from eagle3.verifier import extract_verifier
+    from tests.helpers.training import AUX
+
+    root = tmp_path_factory.mktemp("train-stages")
+    data = os.environ.get("EAGLE3_TEST_SHAREGPT", "sharegpt")
+    prepare(tiny_llama_dir, root / "prep", PrepareConfig(data=data, limit=40, max_len=96, val_fraction=0.1),
+            progress=False)
+    run_extract(tiny_llama_dir, root / "prep", root / "hid", ExtractConfig(aux_layer_ids=AUX), show_progress=False)
+    extract_verifier(tiny_llama_dir, root / "prep", root / "ver")
+    d = build_replay_set(tiny_llama_dir, root / "prep", 8, 24, AUX, cache=root / "cache")
+    (root / "replay").write_text(str(d))
+    return root

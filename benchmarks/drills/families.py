@@ -1,6 +1,6 @@
 """Each supported family through `eagle3 run` on a tiny random model laid out like its real checkpoint.
 
-Builds the Llama-3.1, Qwen3 and Kimi-K2.5 dirs of tests/families.py (offline), then runs the real
+Builds the Llama-3.1, Qwen3 and Kimi-K2.5 dirs of tests/helpers/families.py (offline), then runs the real
 `eagle3 run --config` command on each (embedded Prefect, its own process): ShareGPT -> prepare ->
 extract (hf) -> verifier -> train -> eval on MT-Bench. Prints per family: the layout facts (vocab
 rows vs tokenizer length, tokenizer kind), kept conversations and tokens, extraction tok/s, the
@@ -27,7 +27,7 @@ from eagle3.config import EvalConfig, ExtractConfig, PipelineConfig, PrepareConf
 from eagle3.model.target import Target
 from eagle3.storage.manifests import EvalReport, HiddenStates, PreparedData, TrainedDraft
 from eagle3.storage.store import open_store
-from tests.families import FAMILIES, build, corpus, reference_lm
+from tests.helpers.families import FAMILIES, build, corpus, reference_lm
 
 REPO = Path(__file__).resolve().parents[2]
 

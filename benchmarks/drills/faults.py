@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import tests.fault_drills as fd
-from tests.bad_inputs import CASES, build_base, run_case
+import tests.helpers.fault_drills as fd
+from tests.helpers.bad_inputs import CASES, build_base, run_case
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@ submitted at once with the `gpus` limit at 1, then each run again alone.
 
     python -m benchmarks.drills.load [--timeout 3600]
 
-The service is the one docs/service.md sets up (tests/prefect_service.py): `prefect server start` with
+The service is the one docs/service.md sets up (tests/helpers/prefect_service.py): `prefect server start` with
 basic auth on, deployments/setup.py (`--gpus 1`: a one-GPU host), deployments/prefect.yaml deployed,
 a process worker per pool; every stage runs in its run's process on the cpu worker and holds one
 slot while it uses the "GPU". Target: the real SmolLM2-135M-Instruct; data: real ShareGPT
@@ -28,7 +28,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import tests.prefect_service as ps
+import tests.helpers.prefect_service as ps
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.drills.restart [--down-s 10] [--stage train] [--fault server|worker]
 
-The service is docs/service.md's (tests/prefect_service.py): `prefect server start` with basic auth, the
+The service is docs/service.md's (tests/helpers/prefect_service.py): `prefect server start` with basic auth, the
 pools and the `gpus` limit, the deployments, a process worker per pool. A pipeline run of the tiny random
 Llama (SmolLM2's tokenizer) on 24 real ShareGPT conversations runs alone first (the reference). The same
 run into another dir is started; once its `--stage` is under way (its first checkpoint, or its first
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import tests.prefect_service as ps
+import tests.helpers.prefect_service as ps
 
 PIPELINE = "eagle3-pipeline/eagle3-pipeline"
 LOCAL = {"env": {"EAGLE3_GPU_DEPLOYMENT": ""}}  # every stage in the run's own process on the cpu worker

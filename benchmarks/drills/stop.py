@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import tests.prefect_service as ps
+import tests.helpers.prefect_service as ps
 from benchmarks.drills.restart import config, under_way
 
 REPO = Path(__file__).resolve().parents[2]
