@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 BASE = {"ttt_steps": 3, "step_decay": 0.8, "epochs": 1, "pack_tokens": 2048, "lr": 1e-3, "warmup_steps": 10,
         "val_every": 50, "ckpt_every": 50, "loss": "kl", "norm_before_fc": False}
 
-# examples/smollm2-sharegpt.yaml's training (its prepare: 400 conversations, max_len 1024, vocab 8192, val 0.03)
+# examples/smollm2-sharegpt.yaml's training before it took Muon and bf16 (its prepare: 400 conversations, max_len
+# 1024, vocab 8192, val 0.03): the baseline every demo-length lever changes one thing of
 DEMO = {"epochs": 3, "lr": 3e-3, "val_every": 100, "ckpt_every": 100}
 
 # The demo preset itself, trained here (fp32 on a CPU, as `make demo` runs), and the levers at its full length
