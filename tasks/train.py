@@ -20,9 +20,10 @@ from eagle3.config import SPOOL_WAIT_S, TrainConfig
 from eagle3.eval.replay import replay_set_dir
 from eagle3.runtime.stop import run_child
 from eagle3.storage.hashing import sha256_file
-from eagle3.storage.manifests import HiddenStates, TrainedDraft, VerifierWeights
-from eagle3.storage.spool import PRODUCER_BEAT, wait_source
+from eagle3.storage.manifests import TrainedDraft, VerifierWeights
+from eagle3.storage.spool import PRODUCER_BEAT
 from eagle3.train.launch import command, finished
+from eagle3.train.source import source
 from tasks._cache import stage_key, stage_task
 from tasks._failures import PartnerGone, UserInputError
 from tasks._gpus import gpu_slots, hold_gpus
@@ -148,10 +149,9 @@ def train_task(hidden: str, verifier: str, out: str, cfg: TrainConfig, verifier_
         try:
             replay = None
             if cfg.replay_prompts and model and prepared:
-                if online is not None:  # the layer ids the producer resolved, in the source.json it writes first
-                    aux = wait_source(hidden, online.wait_s).aux_layer_ids
-                else:
-                    aux = HiddenStates.read(hidden).aux_layer_ids
+                # online: the layer ids the producer resolved, in the source.json it writes first (waited for)
+                data = source(hidden, online is not None, online.wait_s if online else SPOOL_WAIT_S)
+                aux = data.manifest().aux_layer_ids
                 replay = build_replay(model, prepared, aux, cfg, trust_remote_code, log, env)
             if cfg.nnodes > 1 and finished(hidden, verifier, out, cfg, replay) is not None:
                 # a node retried after its peers finished: its torchrun would wait for them at the rendezvous

@@ -151,7 +151,7 @@ def train(cfg: TrainConfig, hidden_dir: str | Path, verifier_dir: str | Path, ou
         run.fit(progress)
         run.finish()
         result = run.export(verifier_name) if world.main else None
-        data.done(len(run.plan.train) if run.plan else run.pos.step, world.main)  # the producer may end
+        data.done(len(run.plan.train) if run.plan else 0, world.main)  # every window read: the producer may end
     dist.shutdown()
     return result
 

@@ -46,7 +46,7 @@ class Stored:
     def serving(self, main: bool) -> ContextManager:
         return nullcontext()
 
-    def done(self, steps: int, main: bool) -> None:
+    def done(self, windows: int, main: bool) -> None:
         pass
 
 
@@ -80,10 +80,10 @@ class Spooled:
             stack.enter_context(liveness.beating(self.dir / spool.TRAINER_BEAT))
         return stack
 
-    def done(self, steps: int, main: bool) -> None:
-        """Tell the producer the trainer read `steps` steps and is done (it may end)."""
+    def done(self, windows: int, main: bool) -> None:
+        """Tell the producer the trainer is done, past train window `windows` (its position), so it may end."""
         if main:
-            spool.Spool(self.dir).set_position(steps, done=True)
+            spool.Spool(self.dir).set_position(windows, done=True)
 
 
 Source = Stored | Spooled
