@@ -229,11 +229,13 @@ class TrainConfig(_Cfg):
         "same way, as fc is zero in the export). If tau barely drops against the same run without it, the feature "
         "path is not being learned")
     attn_block: int = Field(256, ge=16, description="query block of the TTT attention kernel")
-    precision: Literal["auto", "bf16", "fp32"] = Field(
+    precision: Literal["auto", "fast", "bf16", "fp32"] = Field(
         "auto", description="the draft's matmuls: bf16 autocast (weights, optimizer state, the target head, the "
-        "softmax and the loss stay fp32) or fp32; auto = bf16 on CUDA, fp32 on a CPU. A CPU with bf16 units "
-        "(avx512_bf16 or AMX in /proc/cpuinfo) runs bf16 faster than fp32 (benchmarks/speed/train.py --bf16); "
-        "without them bf16 is emulated and slower",
+        "softmax and the loss stay fp32) or fp32. auto = bf16 on CUDA, fp32 on every CPU (the same numbers on any "
+        "CPU host); fast = bf16 on CUDA and on a CPU with bf16 units (avx512_bf16 or AMX in /proc/cpuinfo), fp32 on "
+        "a CPU without them. With the units a CPU trains bf16 1.3-1.5x faster than fp32 (benchmarks/speed/train.py "
+        "--bf16); without them bf16 is emulated and many times slower, and the preflight refuses an explicit bf16 "
+        "there",
     )
     fsdp: bool = Field(False, description="FSDP2 instead of DDP (CUDA only)")
     export_format: Literal["vllm", "speculators"] = Field("vllm", description="layout of final/")

@@ -33,7 +33,7 @@ from eagle3.planning.estimates import draft_params, expected_tokens, target_plan
 from eagle3.planning.memory import eval_memory, gpu_weights, train_memory
 from eagle3.planning.rates import HEADROOM, PROBE_OVER_S
 from eagle3.planning.table import Plan, Row
-from eagle3.planning.timing import time_rows
+from eagle3.planning.timing import precision_rows, time_rows
 from eagle3.probe import HostSpeed
 from eagle3.runtime.heap import proc_bytes
 from eagle3.runtime.progress import hms
@@ -63,6 +63,7 @@ def plan(cfg: PipelineConfig, free_bytes: int | None = None, free_mem: int | Non
     if cfg.eval.backend == "vllm" and t.kv_lora_rank and cfg.train.draft_layer == "llama" and not cuda:
         pl.problems.append("eval: vLLM's CPU engine cannot serve a Llama-layer draft beside this MLA target (their KV "
                            "blocks have no common size there); set train.draft_layer: mla, or eval.backend: hf")
+    pl.problems += precision_rows(pl, cfg)
     pl.problems += time_rows(pl, cfg, t, tokens, P, vd)
     if cfg.extract.backend == "vllm":
         pl.problems += gpu_weights(pl, cfg, t)

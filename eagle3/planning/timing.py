@@ -44,11 +44,35 @@ def train_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, P: int, vd: i
                  + 2 * t.vocab_size * t.hidden_size * tokens * tc.epochs)
         s = flops / (tc.world * rates.GPU_TRAIN_FLOPS)
     else:
-        r1, r2 = rates.TRAIN_CPU_TOK_PER_S
+        r1, r2 = rates.TRAIN_CPU_BF16_TOK_PER_S if cpu_precision(cfg) == "bf16" else rates.TRAIN_CPU_TOK_PER_S
         vals = tc.epochs + tc.epochs * estimated_steps_per_epoch(cfg, tokens) // tc.val_every
-        s = ((tokens / r1 + tokens * (tc.epochs - 1) / r2 + vals * tokens * val_share(cfg) * 0.5 / r2)
+        step = rates.MUON_STEP_COST if tc.optimizer == "muon" else 1.0
+        s = ((tokens / r1 * step + tokens * (tc.epochs - 1) / r2 * step + vals * tokens * val_share(cfg) * 0.5 / r2)
              * (P / 10e6) * (tc.ttt_steps / 3) + rates.TRAIN_CPU_START_S) / host.train
     return s * steps_share(cfg, tokens)
+
+
+def cpu_precision(cfg: PipelineConfig) -> str:
+    """What train.precision resolves to on this host's CPU ("bf16" or "fp32")."""
+    from eagle3.runtime.floats import resolve_precision
+
+    return resolve_precision(cfg.train.precision, "cpu")
+
+
+def precision_rows(pl: Plan, cfg: PipelineConfig) -> list[str]:
+    """A CPU trainer's precision as a row; the problem where bf16 is asked of a CPU without bf16 units (emulated,
+    many times slower than fp32: a 2-core AVX2 host ran the probe's training step 13-16x slower)."""
+    from eagle3.runtime.floats import cpu_bf16
+
+    if cfg.extract.backend == "vllm":
+        return []
+    units = "bf16 units" if cpu_bf16() else "no bf16 units (avx512_bf16, AMX)"
+    pl.row("train", f"precision on this CPU ({units}; train.precision: {cfg.train.precision})", cpu_precision(cfg))
+    if cfg.train.precision == "bf16" and not cpu_bf16():
+        return ["train: precision bf16 on a CPU without bf16 units (avx512_bf16 or AMX in /proc/cpuinfo) is emulated "
+                "and many times slower than fp32; set train.precision: fast (bf16 where the CPU has the units) or "
+                "fp32"]
+    return []
 
 
 def time_rows(pl: Plan, cfg: PipelineConfig, t: TargetPlan, tokens: int, P: int, vd: int) -> list[str]:

@@ -69,11 +69,15 @@ def cpu_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """`auto` -> "bf16" on CUDA, "fp32" elsewhere; "bf16" / "fp32" as given."""
-    if precision != "auto":
-        return precision
-    return "bf16" if device.type == "cuda" else "fp32"
+def resolve_precision(precision: str, device: torch.device | str) -> str:
+    """`auto` -> "bf16" on CUDA, "fp32" elsewhere; `fast` -> "bf16" on CUDA and on a CPU with bf16 units
+    (`cpu_bf16`), "fp32" elsewhere; "bf16" / "fp32" as given."""
+    kind = torch.device(device).type
+    if precision == "auto":
+        return "bf16" if kind == "cuda" else "fp32"
+    if precision == "fast":
+        return "bf16" if kind == "cuda" or (kind == "cpu" and cpu_bf16()) else "fp32"
+    return precision
 
 
 def autocast(precision: str, device: torch.device) -> AbstractContextManager:
