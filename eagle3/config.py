@@ -333,6 +333,12 @@ class PipelineConfig(_Cfg):
         SPOOL_WAIT_S, gt=0, description="online: how long one side waits for the other (a producer for the trainer to "
         "make room, a trainer for its next shard) with no sign of life from it before it fails",
     )
+    fit_minutes: float = Field(
+        0.0, ge=0, description="size the run to this host: where the preflight (this host's measured speed included) "
+        "plans the remaining stages over this many minutes, prepare.limit is cut (in steps of 25 conversations, at "
+        "least 50) until the plan fits, and the run's summary says what it chose. The choice is kept in "
+        "run_dir/fit.json, so a rerun of the dir resumes the same run. 0: run as configured",
+    )
     prepare: PrepareConfig = Field(default_factory=PrepareConfig, description=PrepareConfig.__doc__)
     extract: ExtractConfig = Field(default_factory=ExtractConfig, description=ExtractConfig.__doc__)
     train: TrainConfig = Field(default_factory=TrainConfig, description=TrainConfig.__doc__)

@@ -19,9 +19,14 @@ def _run(a) -> None:
         cfg = cfg.model_copy(update={"run_dir": a.run_dir})
     if a.dry_run:
         from eagle3.planning import measure_host, plan
+        from eagle3.planning.fit import fit
 
-        p = plan(cfg, host=measure_host(cfg))
+        host = measure_host(cfg)
+        cfg, fitted = fit(cfg, host, keep=False)
+        p = plan(cfg, host=host)
         print(f"preflight for {a.config}: {p.time_line()}\n{p.host.line()}\n~{p.tokens:,} tokens\n{p.table()}")
+        if fitted:
+            print(fitted.line())
         print("\n".join(f"PROBLEM: {x}" for x in p.problems) or "OK: every remaining stage fits")
         return
     # With no PREFECT_API_URL every run starts a temporary local Prefect server: ~18 s cold on a 2-core

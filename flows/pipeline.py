@@ -12,6 +12,7 @@ from prefect.context import FlowRunContext
 from pydantic import Field
 
 from eagle3.config import PipelineConfig, PrepareConfig
+from eagle3.planning.fit import fit, read_fit
 from eagle3.storage.lock import RunLock
 from eagle3.storage.manifests import EvalReport, RegeneratedData, SpooledStates, TrainedDraft
 from flows.online import run_online
@@ -69,7 +70,7 @@ def _stages(config: PipelineConfig, reuse: list[str] | None, max_hours: float) -
                                       for s in ("prepare", "extract", "verifier", "train", "eval")}
     trc = config.trust_remote_code  # the target's custom tokenizer code (Kimi) may run
     get_run_logger().info("run dir %s", config.run_dir)
-    estimate = preflight(config, max_hours)
+    config, estimate = preflight(config, max_hours)
     times: Times = {}
 
     # GPU stages hop to the gpu pool when EAGLE3_GPU_DEPLOYMENT is set (flows/hop.py); else run here.
@@ -120,16 +121,22 @@ def regenerate(config: PipelineConfig, times: Times | None = None) -> tuple[Rege
     return m, config.prepare.model_copy(update={"data": str(out / m.file)})
 
 
-def preflight(config: PipelineConfig, max_hours: float = 0.0) -> dict[str, float]:
+def preflight(config: PipelineConfig, max_hours: float = 0.0) -> tuple[PipelineConfig, dict[str, float]]:
     """Refuse to start a run that cannot finish, or would take longer than `max_hours`; show the estimate either way.
-    Returns the estimated seconds of each remaining stage (on CPU scaled by this host's measured speed)."""
+    With `fit_minutes`, first size the run to this host (eagle3/planning/fit.py). Returns the config the stages run
+    (fitted) and the estimated seconds of each remaining stage (on CPU scaled by this host's measured speed)."""
     from eagle3.planning import measure_host, plan
 
-    p = plan(config, max_hours=max_hours, host=measure_host(config))
-    create_markdown_artifact(p.markdown(), key="eagle3-preflight",
+    host = measure_host(config)
+    config, fitted = fit(config, host)
+    p = plan(config, max_hours=max_hours, host=host)
+    note = f"{fitted.line()}\n\n" if fitted else ""
+    create_markdown_artifact(note + p.markdown(), key="eagle3-preflight",
                              description="eagle3 preflight: wall time, disk and memory estimate")
+    if fitted:
+        get_run_logger().info("%s", fitted.line())
     get_run_logger().info("preflight: %s; %s", p.time_line(), p.host.line())
-    return p.refuse().seconds
+    return config, p.refuse().seconds
 
 
 def times_table(times: dict[str, dict[str, Any]], estimate: dict[str, float]) -> list[dict[str, Any]]:
@@ -169,6 +176,9 @@ def summarize(config, dirs, prepared, hidden, verifier, trained, report, times: 
           f"**tau = {report.acceptance_length:.3f}** at k={report.k} on {report.num_prompts} prompts; "
           f"speedup {report.speedup_vs_target or 0:.2f}x over greedy; lossless: {report.lossless}.", "",
           f"Draft: `{dirs['train']}/{trained.final_dir}`; report: `{dirs['eval']}/report.json`.", ""]
+    if (fitted := read_fit(config.run_dir)) is not None:  # fit_minutes sized this run to its host
+        md += [fitted.line(), ""]
+        get_run_logger().info("%s", fitted.line())
     for title, table in (("prepare", counts_table(prepared)),
                          ("produce", spool_table(hidden)) if spooled else ("extract", stats_table(hidden)),
                          ("train", metrics_table(trained)), ("eval", results_table(report))):

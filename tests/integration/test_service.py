@@ -49,7 +49,10 @@ def test_preflight_states_wall_time_first_and_refuses_over_budget(smollm2_dir):
     demo = PipelineConfig.from_file(EX / "smollm2-sharegpt.yaml").model_copy(update={"run_dir": "runs/none-yet"})
     p = plan(demo, max_hours=1.0)
     assert list(p.seconds) == ["prepare", "extract", "verifier", "train", "eval"] and not p.problems
-    assert p.markdown().splitlines()[2].startswith("**Estimated wall time ~4")  # the first thing the artifact says
+    from eagle3.planning import hms
+
+    first = p.markdown().splitlines()[2]  # the first thing the artifact says
+    assert first.startswith(f"**Estimated wall time ~{hms(p.total_seconds())}") and p.total_seconds() > 20 * 60
     # Replay: a 16 s start, 160 turns (all 80 questions) x 256 tokens decoded batched at 137 tok/s, a forward over
     # ~2x that at 715 tok/s, and 2 questions (4 turns) x 64 tokens decoded live twice (speculative, greedy) at
     # 13.5 tok/s; live: every turn decoded twice, one at a time (both scaled alike by the target's size).

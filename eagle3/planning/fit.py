@@ -1,0 +1,103 @@
+"""Size a run to this host: where the plan (this host's measured speed included) is longer than the run's
+`fit_minutes`, fewer conversations (`prepare.limit`) until it fits.
+
+Why the data and not the epochs or the eval: the eval's questions are the measurement, and extraction costs more per
+token than a later training pass, so cutting conversations saves the most time per unit of training lost. The
+plan's time is close to linear in the conversations (extraction and training are per token; the probe, the replay
+set and the eval are not), so two plans, at the configured limit and at half of it, give the line, and the limit is
+the largest multiple of `STEP` under it (at least `FLOOR`). The choice is written to run_dir/fit.json on the first
+run and read back by every rerun of that dir, so a resumed run keeps its prepared data instead of re-probing into a
+slightly different limit and redoing the stages.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eagle3.config import PipelineConfig
+from eagle3.planning.estimates import expected_conversations
+from eagle3.probe import HostSpeed
+from eagle3.runtime.progress import hms
+
+FIT_FILE = "fit.json"
+STEP = 25     # conversations: coarse, so hosts of one kind pick the same limit
+FLOOR = 50    # fewer and the draft's vocabulary and validation split are too thin to mean anything
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What fitting chose: the configured and the chosen prepare.limit, the plan's seconds at each, the budget."""
+
+    budget_s: float
+    limit: int
+    planned_s: float
+    fitted_limit: int
+    fitted_s: float
+
+    @property
+    def cut(self) -> bool:
+        return self.fitted_limit < self.limit
+
+    def line(self) -> str:
+        if not self.cut:
+            return (f"fit: the plan ({hms(self.planned_s)}) is within fit_minutes ({hms(self.budget_s)}): "
+                    f"{self.limit} conversations, as configured")
+        over = "" if self.fitted_s <= self.budget_s else f" (the floor, {FLOOR}: still over the budget)"
+        return (f"fit: this host plans {self.limit} conversations at {hms(self.planned_s)}, over fit_minutes "
+                f"({hms(self.budget_s)}): prepare.limit {self.limit} -> {self.fitted_limit}{over}, planned "
+                f"{hms(self.fitted_s)}")
+
+
+def fit(cfg: PipelineConfig, host: HostSpeed, keep: bool = True) -> tuple[PipelineConfig, Fit | None]:
+    """`cfg` with prepare.limit cut to fit cfg.fit_minutes on a host of speed `host`, and what was chosen; `cfg`
+    and None where fit_minutes is 0. An earlier choice in run_dir/fit.json is kept; `keep` False (a dry run) writes
+    none."""
+    if not cfg.fit_minutes:
+        return cfg, None
+    if (f := read_fit(cfg.run_dir)) is not None:
+        return _with_limit(cfg, f.fitted_limit), f
+    f = _choose(cfg, host)
+    if not keep:
+        return _with_limit(cfg, f.fitted_limit), f
+    path = Path(cfg.run_dir) / FIT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(f), indent=1))
+    os.replace(tmp, path)
+    return _with_limit(cfg, f.fitted_limit), f
+
+
+def read_fit(run_dir: str | Path) -> Fit | None:
+    """The choice an earlier run of this dir made (run_dir/fit.json), or None."""
+    path = Path(run_dir) / FIT_FILE
+    return Fit(**json.loads(path.read_text())) if path.is_file() else None
+
+
+def _choose(cfg: PipelineConfig, host: HostSpeed) -> Fit:
+    budget = cfg.fit_minutes * 60
+    limit = expected_conversations(cfg)
+    full = _seconds(cfg, limit, host)
+    if full <= budget or limit <= FLOOR:
+        return Fit(budget, limit, full, limit, full)
+    half = max(1, limit // 2)
+    per = (full - _seconds(cfg, half, host)) / (limit - half)  # seconds per conversation
+    fixed = full - per * limit
+    n = int((budget - fixed) / per) // STEP * STEP if per > 0 else limit
+    n = max(FLOOR, min(limit, n))
+    s = _seconds(cfg, n, host)
+    while s > budget and n > FLOOR:  # the line is close, not exact (validations and packs come in whole steps)
+        n = max(FLOOR, n - STEP)
+        s = _seconds(cfg, n, host)
+    return Fit(budget, limit, full, n, s)
+
+
+def _seconds(cfg: PipelineConfig, limit: int, host: HostSpeed) -> float:
+    from eagle3.planning import plan
+
+    return plan(_with_limit(cfg, limit), free_bytes=1 << 60, free_mem=1 << 60, host=host).total_seconds()
+
+
+def _with_limit(cfg: PipelineConfig, limit: int) -> PipelineConfig:
+    return cfg.model_copy(update={"prepare": cfg.prepare.model_copy(update={"limit": limit})})
