@@ -32,7 +32,8 @@ def test_a_slow_host_gets_fewer_conversations_within_the_budget_and_reruns_keep_
     # the largest such limit: one step more is over the budget
     more = fitted.model_copy(update={"prepare": fitted.prepare.model_copy(update={"limit": n + STEP})})
     assert plan(more, free_bytes=1 << 60, free_mem=1 << 60, host=slow).total_seconds() > 40 * 60
-    assert json.loads((tmp_path / "run" / FIT_FILE).read_text())["fitted_limit"] == n == read_fit(tmp_path / "run").fitted_limit
+    kept = json.loads((tmp_path / "run" / FIT_FILE).read_text())
+    assert kept["fitted_limit"] == n == read_fit(tmp_path / "run").fitted_limit
     assert f"prepare.limit 400 -> {n}" in f.line()
     # a rerun of the dir on a host that probes faster resumes the same run
     again, g = fit(cfg, _host(0.9))
