@@ -70,6 +70,8 @@ class Meter:
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         r = self.rate()
         rate = f"{r:,.1f} {self.unit}/s" if r > 0 else f"? {self.unit}/s"
+        if 0 < r < 0.1:  # slower than one per 10 s: "0.0 steps/s" would say nothing
+            rate = f"{1 / r:,.1f} s per {self.unit.removesuffix('s')}"
         return (f"{self.what}: {self.done:,}/{self.total:,} {self.unit}{pct}, {rate}, ETA {self.eta()}"
                 + (f"; {note}" if note else ""))
 

@@ -76,6 +76,12 @@ def test_a_record_restarts_the_cadence_and_a_bar_replaces_the_lines(monkeypatch)
     clock.t = 39.0
     m.update(30)
     assert lines[-1] == "train: 30/100 steps (30%), 0.7 steps/s, ETA 1m34s"
+    said: list[str] = []
+    slow = Meter("train", 51, "steps", say=said.append, clock=Clock())
+    slow.update(1)
+    slow.clock.t = 200.0
+    slow.update(6)  # 5 steps in 200 s
+    assert said[-1] == "train: 6/51 steps (12%), 40.0 s per step, ETA 30m00s"
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
