@@ -57,16 +57,16 @@ def fit(cfg: PipelineConfig, host: HostSpeed, keep: bool = True) -> tuple[Pipeli
     if not cfg.fit_minutes:
         return cfg, None
     if (f := read_fit(cfg.run_dir)) is not None:
-        return _with_limit(cfg, f.fitted_limit), f
+        return _applied(cfg, f), f
     f = _choose(cfg, host)
     if not keep:
-        return _with_limit(cfg, f.fitted_limit), f
+        return _applied(cfg, f), f
     path = Path(cfg.run_dir) / FIT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(f), indent=1))
     os.replace(tmp, path)
-    return _with_limit(cfg, f.fitted_limit), f
+    return _applied(cfg, f), f
 
 
 def read_fit(run_dir: str | Path) -> Fit | None:
@@ -97,6 +97,12 @@ def _seconds(cfg: PipelineConfig, limit: int, host: HostSpeed) -> float:
     from eagle3.planning import plan
 
     return plan(_with_limit(cfg, limit), free_bytes=1 << 60, free_mem=1 << 60, host=host).total_seconds()
+
+
+def _applied(cfg: PipelineConfig, f: Fit) -> PipelineConfig:
+    """`cfg` as the stages run it: its limit cut where the fit cut it, else untouched (an unset limit stays unset:
+    where the source's record count is only estimated, from its size, setting it would drop records)."""
+    return _with_limit(cfg, f.fitted_limit) if f.cut else cfg
 
 
 def _with_limit(cfg: PipelineConfig, limit: int) -> PipelineConfig:

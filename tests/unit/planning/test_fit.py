@@ -45,6 +45,9 @@ def test_a_host_fast_enough_runs_as_configured_and_a_dry_run_writes_nothing(tmp_
     same, f = fit(cfg, _host(1.0), keep=False)
     assert same.prepare.limit == 400 and not f.cut and "as configured" in f.line()
     assert not (tmp_path / "run").exists()
+    # not cut: the config as given, an unset limit left unset (a source's count may be an estimate from its size)
+    unset = cfg.model_copy(update={"prepare": cfg.prepare.model_copy(update={"limit": None})})
+    assert fit(unset, _host(100.0), keep=False)[0] is unset
     off = _demo(tmp_path / "off", 0)
     assert fit(off, _host(0.1)) == (off, None) and not (tmp_path / "off").exists()
 
