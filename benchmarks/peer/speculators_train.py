@@ -1,6 +1,7 @@
 """Train speculators' EAGLE-3 head on the data eagle3 trains on: the peer row of the draft-quality table.
 
-Runs in the peer venv (benchmarks/peer/setup.sh: speculators from the registry, never a dependency of eagle3), on
+Runs in the peer venv (benchmarks/peer/setup.sh makes it, outside the work tree: speculators from the registry,
+never a dependency of eagle3), on
 the dir benchmarks/peer/speculators_data.py wrote. speculators' own trainer, loss and defaults (optimizer, lr and
 schedule, loss decay, bf16 autocast) with these set to the run being compared: the epochs, the tokens per step
 (`--total-seq-len`, eagle3's pack_tokens), the unroll (`--ttt-steps`), the draft vocab (eagle3's d2t/t2d), the aux
@@ -14,7 +15,7 @@ The exported head (the last epoch's checkpoint, speculators' layout) is scored l
     .venv/bin/eagle3 eval --draft runs/peer/train/checkpoints/2 --mode replay ...
 (benchmarks/experiments/levers.py `--score peer=DIR` does this and pairs it against the other rows).
 
-    benchmarks/peer/.venv/bin/python benchmarks/peer/speculators_train.py --data runs/peer/data \\
+    ~/.cache/eagle3-peer/venv/bin/python benchmarks/peer/speculators_train.py --data runs/peer/data \\
         --verifier assets/smollm2 --out runs/peer/train --epochs 3 --total-seq-len 2048 --ttt-steps 3 --threads 2
 """
 from __future__ import annotations
