@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 
@@ -43,10 +42,10 @@ def write(prepare: Path, extract: Path, out: Path) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
-    from safetensors.torch import save_file
 
     from eagle3.data.vocab import load_maps
     from eagle3.prepare.run import VOCAB_FILE
+    from eagle3.storage.atomic import atomic_path, atomic_write_json, write_safetensors
     from eagle3.storage.store import open_store
 
     stores = [open_store(extract, "train"), open_store(extract, "val")]
@@ -61,9 +60,8 @@ def write(prepare: Path, extract: Path, out: Path) -> dict:
         states = torch.cat([s["aux_hidden_states"], s["final_hidden_states"][:, None]], dim=1)  # [T, n_aux + 1, H]
         path = hs / f"hs_{i}.safetensors"
         if not path.is_file():
-            tmp = path.with_suffix(".tmp")
-            save_file({"hidden_states": states.to(torch.bfloat16).contiguous(), "token_ids": ids}, str(tmp))
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                write_safetensors(tmp, {"hidden_states": states.to(torch.bfloat16).contiguous(), "token_ids": ids})
         rows["sample_id"].append(s["sample_id"])
         rows["input_ids"].append(ids.tolist())
         rows["loss_mask"].append(s["loss_mask"].to(torch.bool).tolist())
@@ -71,18 +69,14 @@ def write(prepare: Path, extract: Path, out: Path) -> dict:
         tokens += len(ids)
     d2t, t2d = load_maps(prepare / VOCAB_FILE)
     for name, arr in (("d2t", d2t.numpy().astype(np.int64)), ("t2d", t2d.numpy().astype(bool))):
-        tmp = out / f"{name}.tmp.npy"
-        np.save(tmp, arr)
-        os.replace(tmp, out / f"{name}.npy")
-    tmp = out / "samples.parquet.tmp"
-    pq.write_table(pa.table(rows), tmp)
-    os.replace(tmp, out / "samples.parquet")
+        with atomic_path(out / f"{name}.npy") as tmp, open(tmp, "wb") as f:
+            np.save(f, arr)
+    with atomic_path(out / "samples.parquet") as tmp:
+        pq.write_table(pa.table(rows), tmp)
     meta = {"samples": len(rows["seq_len"]), "train_samples": len(stores[0]), "tokens": tokens,
             "train_tokens": sum(stores[0].lengths), "aux_layer_ids": list(stores[0].aux_layer_ids),
             "draft_vocab": len(d2t), "source": {"prepare": str(prepare), "extract": str(extract)}}
-    tmp = out / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / "meta.json")
+    atomic_write_json(out / "meta.json", meta)  # last: its presence marks the dir finished
     print(json.dumps(meta))
     return meta
 

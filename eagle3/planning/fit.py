@@ -12,7 +12,6 @@ slightly different limit and redoing the stages.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from eagle3.config import PipelineConfig
 from eagle3.planning.estimates import expected_conversations
 from eagle3.probe import HostSpeed
 from eagle3.runtime.progress import hms
+from eagle3.storage.atomic import atomic_write_json
 
 FIT_FILE = "fit.json"
 STEP = 25     # conversations: coarse, so hosts of one kind pick the same limit
@@ -59,13 +59,8 @@ def fit(cfg: PipelineConfig, host: HostSpeed, keep: bool = True) -> tuple[Pipeli
     if (f := read_fit(cfg.run_dir)) is not None:
         return _applied(cfg, f), f
     f = _choose(cfg, host)
-    if not keep:
-        return _applied(cfg, f), f
-    path = Path(cfg.run_dir) / FIT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(f), indent=1))
-    os.replace(tmp, path)
+    if keep:
+        atomic_write_json(Path(cfg.run_dir) / FIT_FILE, asdict(f))
     return _applied(cfg, f), f
 
 
