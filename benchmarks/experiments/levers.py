@@ -40,6 +40,9 @@ BASE = {"ttt_steps": 3, "step_decay": 0.8, "epochs": 1, "pack_tokens": 2048, "lr
 # 1024, vocab 8192, val 0.03): the baseline every demo-length lever changes one thing of
 DEMO = {"epochs": 3, "lr": 3e-3, "val_every": 100, "ckpt_every": 100}
 
+# examples/smollm2-sharegpt.yaml's training now: Muon under bf16 autocast (where the CPU has bf16 units)
+MUON = {**DEMO, "precision": "bf16", "optimizer": "muon"}
+
 # The demo preset itself, trained here (fp32 on a CPU, as `make demo` runs), and the levers at its full length
 # under bf16 autocast, each paired against "demo-bf16" (vs bf16) as well as against "demo".
 DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
@@ -55,6 +58,17 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     # AdamW given Muon's wall time: a Muon step took 1.17x an AdamW step (851 s / 729 s for 468 steps, seed 1,
     # each run alone), so 550 steps on a schedule of their own (a fourth epoch, cut at max_steps)
     "demo-bf16-wall": ({**DEMO, "precision": "bf16", "epochs": 4, "max_steps": 550}, {}, [3]),
+    # on-policy data at equal steps: the preset (Muon, bf16) for the 471 steps of its 3 epochs over the original
+    # data, on the target's own answers to the same prompts (`--regen-*`) or on both sets together (`--mixed-*`);
+    # each runs as many epochs of its data as the 471 steps take (the schedule ends at max_steps)
+    "demo-bf16-muon-onpolicy": ({**MUON, "epochs": 50, "max_steps": 471}, {"data": "onpolicy"}, [3]),
+    "demo-bf16-muon-mixed": ({**MUON, "epochs": 50, "max_steps": 471}, {"data": "mixed"}, [3]),
+    # speculators 0.9.0's training defaults where eagle3 has the same switch (its run log prints them): lr 1e-3
+    # decaying to 0, no TTT step decay, norms before fc and before the residual, weight decay (speculators: 0.1
+    # on Muon's matrices, 0.01 on the rest; eagle3 has one weight_decay for both). Whether the peer row's lead
+    # is its settings or the rest of its trainer.
+    "demo-bf16-muon-peerset": ({**MUON, "lr": 1e-3, "min_lr_ratio": 0.0, "step_decay": 1.0, "norm_before_fc": True,
+                                "norm_before_residual": True, "weight_decay": 0.01}, {}, [3]),
 }
 
 # name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy"} | {}, eval k list).
@@ -174,6 +188,8 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
         refs[f"vs_demo_k{k}"] = "demo" + seed
     if name.startswith("demo-bf16-"):
         refs[f"vs_bf16_k{k}"] = "demo-bf16" + seed
+    if name.startswith("demo-bf16-muon-") or name == "peer":
+        refs[f"vs_muon_k{k}"] = "demo-bf16-muon" + seed
     refs = {key: ref for key, ref in refs.items() if ref != name}
     for key, ref in refs.items():
         theirs = root / ref / f"eval-k{k}"
@@ -204,8 +220,9 @@ def table(root: Path) -> None:
         pp = " / ".join(f"{x:.3f}" for x in r["per_position_k3"])
         vs = "; ".join(([dl(r["delta_k3"])] if "delta_k3" in r else [])
                        + ([f"vs demo {dl(r['vs_demo_k3'])}"] if "vs_demo_k3" in r else [])
-                       + ([f"vs demo-bf16 {dl(r['vs_bf16_k3'])}"] if "vs_bf16_k3" in r else []))
-        print(f"| {name} | {json.dumps(setting)} | {r['steps']} | {cpu} | {ci(r['tau_k3'], r['ci_k3'])} "
+                       + ([f"vs demo-bf16 {dl(r['vs_bf16_k3'])}"] if "vs_bf16_k3" in r else [])
+                       + ([f"vs demo-bf16-muon {dl(r['vs_muon_k3'])}"] if "vs_muon_k3" in r else []))
+        print(f"| {name} | {json.dumps(setting)} | {r['steps'] or ''} | {cpu} | {ci(r['tau_k3'], r['ci_k3'])} "
               f"| {vs} | {k5} | {pp} |")
 
 
@@ -222,6 +239,10 @@ def main() -> None:
     ap.add_argument("--regen-extract", default=None, help="extract dir of regenerated data (on-policy lever)")
     ap.add_argument("--regen-verifier", default=None)
     ap.add_argument("--regen-prepare", default=None)
+    ap.add_argument("--mixed-extract", default=None, help="extract dir of original + regenerated data (onpolicy.py "
+                    "--mixed: its --root/mixed/extract)")
+    ap.add_argument("--mixed-verifier", default=None)
+    ap.add_argument("--mixed-prepare", default=None)
     ap.add_argument("--root", default="runs/levers")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default=None, help="comma-separated lever names (default: all, in order)")
@@ -238,8 +259,12 @@ def main() -> None:
         return table(Path(a.root))
     if a.score:
         name, train = a.score.split("=", 1)
-        man = json.loads((Path(train) / "manifest.json").read_text())
         (Path(a.root) / name).mkdir(parents=True, exist_ok=True)
+        if not (Path(train) / "manifest.json").is_file():  # a head another tool wrote (the peer's checkpoint)
+            row = {"lever": name, "train": {}, "steps": None, "draft": train}
+            score(a, Path(a.root), name, Path(train), [3], row)
+            return
+        man = json.loads((Path(train) / "manifest.json").read_text())
         row = {"lever": name,
                "train": {k: man["config"][k] for k in ("epochs", "lr", "ttt_steps", "loss")
                          if k in man.get("config", {})},
@@ -284,11 +309,13 @@ def main() -> None:
                     log, a.threads)
                 if "limit" in extra:  # the data's wall time counts for this lever (an extraction of its own)
                     (d / "data_timing.json").write_text(json.dumps({"data_wall_s": round(time.perf_counter() - w0, 1)}))
-        if extra.get("data") == "onpolicy":
-            if not a.regen_extract:
-                print(f"{name}: skipped (no --regen-extract)", flush=True)
+        if extra.get("data") in ("onpolicy", "mixed"):
+            src = "regen" if extra["data"] == "onpolicy" else "mixed"
+            dirs = [getattr(a, f"{src}_{stage}") for stage in ("prepare", "extract", "verifier")]
+            if not all(dirs):
+                print(f"{name}: skipped (needs --{src}-prepare, --{src}-extract and --{src}-verifier)", flush=True)
                 continue
-            prepare, extract, verifier = Path(a.regen_prepare), Path(a.regen_extract), Path(a.regen_verifier)
+            prepare, extract, verifier = map(Path, dirs)
         cfg = {**base, **over, "threads": a.threads}
         (d / "train_config.json").write_text(json.dumps(cfg, indent=1))
         timing = d / "timing.json"

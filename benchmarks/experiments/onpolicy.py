@@ -1,25 +1,51 @@
 """On-policy training data: ShareGPT's prompts answered by the target itself, ready for the trainer.
 
-Runs `eagle3 regenerate` (hf, greedy, batched) on the first `--limit` ShareGPT conversations, then
-`prepare` (the demo's settings) on the regenerated JSONL, `extract` and `verifier`, each as its own
-process with `--threads` torch threads, and prints each stage's wall and CPU seconds (the process
+Runs `eagle3 regenerate` (greedy, batched; `--backend hf` or the vLLM engine) on the first `--limit` ShareGPT
+conversations, then `prepare` (the demo's settings) on the regenerated JSONL, `extract` and `verifier`, each as
+its own process with `--threads` torch threads, and prints each stage's wall and CPU seconds (the process
 tree's; on a shared machine wall time also measures the neighbours) and token counts, so the lever's
 total compute can be set against the baseline's extraction + training (benchmarks/experiments/levers.py trains
-on `--root/extract` with `--regen-extract`). Stages already done are not redone. Last line: one JSON
-object.
+on `--root/extract` with `--regen-extract`). With `--mixed`, also the original conversations and the
+regenerated ones together (`--root/mixed/data`: the source's first `--limit` records as JSONL, then the
+regenerated JSONL), prepared, extracted and given a verifier under `--root/mixed/` (`--mixed-extract` of
+levers.py). Stages already done are not redone. Last line: one JSON object.
 
     .venv/bin/python -m benchmarks.experiments.onpolicy --limit 400 --max-new-tokens 256 --batch-size 64 \\
-        --root runs/onpolicy --threads 1
+        --root runs/onpolicy --threads 1 [--backend vllm] [--mixed]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from benchmarks.experiments.levers import eagle3, run
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def mixed_source(data: str, limit: int, regenerated: Path, out: Path) -> Path:
+    """out/data: the source's first `limit` records, one JSON object per line as read (0-original.jsonl), and a
+    copy of the regenerated JSONL (1-regenerated.jsonl); prepare reads a directory's files in sorted order.
+    Unreadable records of the source are left out here as prepare would skip them; written temp-then-rename."""
+    from eagle3.data.readers import Raw, ReadStats, iter_source, resolve_source
+
+    d = out / "data"
+    if d.is_dir():
+        return d
+    tmp = out / "data.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with open(tmp / "0-original.jsonl", "w") as f:
+        for n, rec in enumerate(iter_source(resolve_source(data), ReadStats())):
+            if n >= limit:
+                break
+            if isinstance(rec, Raw):
+                f.write(json.dumps(rec.obj, ensure_ascii=False) + "\n")
+    shutil.copyfile(regenerated, tmp / "1-regenerated.jsonl")
+    tmp.rename(d)
+    return d
 
 
 def main() -> None:
@@ -34,6 +60,8 @@ def main() -> None:
     ap.add_argument("--val-fraction", type=float, default=0.03)
     ap.add_argument("--root", default="runs/onpolicy")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="regenerate's backend")
+    ap.add_argument("--mixed", action="store_true", help="also the original and regenerated data together")
     a = ap.parse_args()
     root = Path(a.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -51,16 +79,23 @@ def main() -> None:
 
     stage("regenerate", eagle3("regenerate", "--model", a.model, "--data", a.data, "--limit", str(a.limit),
                                "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size),
-                               "--max-len", str(a.max_len), "--threads", str(a.threads), "--out", str(root / "regen")),
+                               "--max-len", str(a.max_len), "--threads", str(a.threads), "--backend", a.backend,
+                               "--out", str(root / "regen")),
           root / "regen" / "manifest.json")
-    stage("prepare", eagle3("prepare", "--model", a.model, "--data", str(root / "regen" / "regenerated.jsonl"),
-                            "--max-len", str(a.max_len), "--draft-vocab", str(a.draft_vocab),
-                            "--val-fraction", str(a.val_fraction), "--out", str(root / "prepare")),
-          root / "prepare" / "manifest.json")
-    stage("extract", eagle3("extract", "--model", a.model, "--prepared", str(root / "prepare"),
-                            "--out", str(root / "extract")), root / "extract" / "manifest.json")
-    stage("verifier", eagle3("verifier", "--model", a.model, "--prepared", str(root / "prepare"),
-                             "--out", str(root / "verifier")), root / "verifier" / "manifest.json")
+
+    def data_stages(tag: str, data: Path, d: Path) -> None:
+        stage(f"{tag}prepare", eagle3("prepare", "--model", a.model, "--data", str(data), "--max-len", str(a.max_len),
+                                      "--draft-vocab", str(a.draft_vocab), "--val-fraction", str(a.val_fraction),
+                                      "--out", str(d / "prepare")), d / "prepare" / "manifest.json")
+        stage(f"{tag}extract", eagle3("extract", "--model", a.model, "--prepared", str(d / "prepare"),
+                                      "--out", str(d / "extract")), d / "extract" / "manifest.json")
+        stage(f"{tag}verifier", eagle3("verifier", "--model", a.model, "--prepared", str(d / "prepare"),
+                                       "--out", str(d / "verifier")), d / "verifier" / "manifest.json")
+
+    data_stages("", root / "regen" / "regenerated.jsonl", root)
+    if a.mixed:
+        data_stages("mixed_", mixed_source(a.data, a.limit, root / "regen" / "regenerated.jsonl", root / "mixed"),
+                    root / "mixed")
     regen = json.loads((root / "regen" / "manifest.json").read_text())
     prep = json.loads((root / "prepare" / "manifest.json").read_text())
     res = {"limit": a.limit, "max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size, "threads": a.threads,
