@@ -70,6 +70,9 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "demo-bf16-muon-peerset": ({**MUON, "lr": 1e-3, "min_lr_ratio": 0.0, "step_decay": 1.0, "norm_before_fc": True,
                                 "norm_before_residual": True, "weight_decay": 0.01}, {}, [3]),
 }
+# the two winners together: the mixed data under speculators' settings, for the same 471 steps
+DEMO_LEVERS["demo-bf16-muon-mixed-peerset"] = (
+    {**DEMO_LEVERS["demo-bf16-muon-peerset"][0], "epochs": 50, "max_steps": 471}, {"data": "mixed"}, [3])
 
 # name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy"} | {}, eval k list).
 # "demo-*" levers change one thing of the demo preset (3 epochs, lr 3e-3) and are also paired against the
