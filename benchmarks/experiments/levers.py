@@ -42,6 +42,14 @@ DEMO = {"epochs": 3, "lr": 3e-3, "val_every": 100, "ckpt_every": 100}
 
 # examples/smollm2-sharegpt.yaml's training now: Muon under bf16 autocast (where the CPU has bf16 units)
 MUON = {**DEMO, "precision": "bf16", "optimizer": "muon"}
+# speculators 0.9.0's training defaults where eagle3 has the same switch (its run log prints them): lr 1e-3
+# decaying to 0, no TTT step decay, norms before fc and before the residual, weight decay (speculators: 0.1 on
+# Muon's matrices, 0.01 on the rest; eagle3 has one weight_decay for both)
+PEERSET = {"lr": 1e-3, "min_lr_ratio": 0.0, "step_decay": 1.0, "norm_before_fc": True, "norm_before_residual": True,
+           "weight_decay": 0.01}
+# the 471 steps of the preset's 3 epochs over the original data, on data of another size: as many epochs of it
+# as the steps take (the schedule ends at max_steps)
+EQUAL_STEPS = {"epochs": 50, "max_steps": 471}
 
 # The demo preset itself, trained here (fp32 on a CPU, as `make demo` runs), and the levers at its full length
 # under bf16 autocast, each paired against "demo-bf16" (vs bf16) as well as against "demo".
@@ -52,29 +60,23 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "demo-bf16-init": ({**DEMO, "precision": "bf16", "norm_init": "target", "zero_init_residual": True}, {}, [3]),
     "demo-bf16-head01": ({**DEMO, "precision": "bf16", "head_lr_scale": 0.1}, {}, [3]),
     "demo-bf16-zeroaux": ({**DEMO, "precision": "bf16", "zero_aux": True}, {}, [3]),
-    "demo-bf16-muon": ({**DEMO, "precision": "bf16", "optimizer": "muon"}, {}, [3]),
+    "demo-bf16-muon": (MUON, {}, [3]),
     # the preset as it ships with Muon (fp32 on a CPU)
     "demo-muon": ({**DEMO, "optimizer": "muon"}, {}, [3]),
     # AdamW given Muon's wall time: a Muon step took 1.17x an AdamW step (851 s / 729 s for 468 steps, seed 1,
     # each run alone), so 550 steps on a schedule of their own (a fourth epoch, cut at max_steps)
     "demo-bf16-wall": ({**DEMO, "precision": "bf16", "epochs": 4, "max_steps": 550}, {}, [3]),
-    # on-policy data at equal steps: the preset (Muon, bf16) for the 471 steps of its 3 epochs over the original
-    # data, on the target's own answers to the same prompts (`--regen-*`) or on both sets together (`--mixed-*`);
-    # each runs as many epochs of its data as the 471 steps take (the schedule ends at max_steps)
-    "demo-bf16-muon-onpolicy": ({**MUON, "epochs": 50, "max_steps": 471}, {"data": "onpolicy"}, [3]),
-    "demo-bf16-muon-mixed": ({**MUON, "epochs": 50, "max_steps": 471}, {"data": "mixed"}, [3]),
-    # speculators 0.9.0's training defaults where eagle3 has the same switch (its run log prints them): lr 1e-3
-    # decaying to 0, no TTT step decay, norms before fc and before the residual, weight decay (speculators: 0.1
-    # on Muon's matrices, 0.01 on the rest; eagle3 has one weight_decay for both). Whether the peer row's lead
-    # is its settings or the rest of its trainer.
-    "demo-bf16-muon-peerset": ({**MUON, "lr": 1e-3, "min_lr_ratio": 0.0, "step_decay": 1.0, "norm_before_fc": True,
-                                "norm_before_residual": True, "weight_decay": 0.01}, {}, [3]),
+    # on-policy data at equal steps: the preset on the target's own answers to the same prompts (`--regen-*`) or on
+    # both sets together (`--mixed-*`)
+    "demo-bf16-muon-onpolicy": ({**MUON, **EQUAL_STEPS}, {"data": "onpolicy"}, [3]),
+    "demo-bf16-muon-mixed": ({**MUON, **EQUAL_STEPS}, {"data": "mixed"}, [3]),
+    # whether the peer row's lead is its settings or the rest of its trainer
+    "demo-bf16-muon-peerset": ({**MUON, **PEERSET}, {}, [3]),
+    # the two winners together
+    "demo-bf16-muon-mixed-peerset": ({**MUON, **PEERSET, **EQUAL_STEPS}, {"data": "mixed"}, [3]),
 }
-# the two winners together: the mixed data under speculators' settings, for the same 471 steps
-DEMO_LEVERS["demo-bf16-muon-mixed-peerset"] = (
-    {**DEMO_LEVERS["demo-bf16-muon-peerset"][0], "epochs": 50, "max_steps": 471}, {"data": "mixed"}, [3])
 
-# name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy"} | {}, eval k list).
+# name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy" | "mixed"} | {}, eval k list).
 # "demo-*" levers change one thing of the demo preset (3 epochs, lr 3e-3) and are also paired against the
 # demo's own head, scored as lever "demo" (`--score demo=runs/demo/train`).
 LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
