@@ -254,6 +254,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--limit", type=int, default=None, help="MT-Bench questions (default all 80)")
     ap.add_argument("--base", default=None, help="JSON of baseline training overrides (e.g. a shorter run)")
+    ap.add_argument("--override", default=None,
+                    help="JSON of training settings applied over every lever's own, e.g. '{\"precision\": \"fp32\"}' "
+                    "on a CPU without bf16 units (which emulates bf16 many times slower); runs are keyed by lever "
+                    "name, so give these runs a --root of their own")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--table", action="store_true",
                     help="print the table of every run in --root/results.jsonl and exit")
@@ -280,10 +284,11 @@ def main() -> None:
     if not (a.prepare and a.extract and a.verifier) and not a.list:
         ap.error("the levers need --prepare, --extract and --verifier (the baseline's stage dirs)")
     base = {**BASE, **(json.loads(a.base) if a.base else {})}
+    override = json.loads(a.override) if a.override else {}
     names = a.only.split(",") if a.only else list(LEVERS)
     if a.list:
         for n in names:
-            print(n, json.dumps({**base, **LEVERS[n][0]}), LEVERS[n][1])
+            print(n, json.dumps({**base, **LEVERS[n][0], **override}), LEVERS[n][1])
         return
     root = Path(a.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -321,7 +326,7 @@ def main() -> None:
                 print(f"{name}: skipped (needs --{src}-prepare, --{src}-extract and --{src}-verifier)", flush=True)
                 continue
             prepare, extract, verifier = map(Path, dirs)
-        cfg = {**base, **over, "threads": a.threads}
+        cfg = {**base, **over, **override, "threads": a.threads}
         (d / "train_config.json").write_text(json.dumps(cfg, indent=1))
         timing = d / "timing.json"
         if not timing.is_file():
@@ -337,7 +342,7 @@ def main() -> None:
         if (d / "data_timing.json").is_file():  # a lever with its own extraction: its wall time counts too
             t.update(json.loads((d / "data_timing.json").read_text()))
         man = json.loads((d / "train" / "manifest.json").read_text())
-        row = {"lever": name, "train": {k: v for k, v in cfg.items() if k in over or k in ("epochs",)},
+        row = {"lever": name, "train": {k: v for k, v in cfg.items() if k in over or k in override or k == "epochs"},
                "steps": man["steps"], "best_step": man["best_step"], "best_metric": man.get("best_metric"),
                "val_sim_tau": round(man["best_sim_tau"], 4), "val_replay_tau": man.get("best_replay_tau"), **t}
         rows.append(score(a, root, name, d / "train" / "final", ks, row))
