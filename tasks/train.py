@@ -102,7 +102,8 @@ def metrics_table(m: TrainedDraft) -> list[dict[str, Any]]:
             {"what": "best simulated tau (val)", "value": round(m.best_sim_tau, 4)},
             {"what": "best replay tau (held-out prompts, on-policy)",
              "value": round(m.best_replay_tau, 4) if m.best_replay_tau is not None else "n/a (no replay set)"},
-            {"what": "best step (chosen by)", "value": f"{m.best_step} ({m.best_metric})"}]
+            {"what": "best step (chosen by)", "value": f"{m.best_step} ({m.best_metric})"},
+            {"what": "exported step", "value": m.exported_step}]
     if v:
         rows.append({"what": "val loss", "value": round(v["loss"], 5)})
         rows += [{"what": f"val top-1 step {j}", "value": round(a, 4)} for j, a in enumerate(v["acc"])]
@@ -117,7 +118,8 @@ def summary_markdown(m: TrainedDraft, out: str) -> str:
     return (f"# eagle3 train\n\nDraft exported to `{Path(out) / m.final_dir}` ({m.export_format} format): "
             f"best simulated tau **{m.best_sim_tau:.3f}**"
             + (f", replay tau **{m.best_replay_tau:.3f}**" if m.best_replay_tau is not None else "")
-            + f" at step {m.best_step} of {m.steps} (chosen by {m.best_metric}).\n{img}\n"
+            + f" at step {m.best_step} of {m.steps} (chosen by {m.best_metric}); final/ holds step {m.exported_step}."
+            f"\n{img}\n"
             f"Metrics: `{Path(out) / 'metrics.jsonl'}`; curves: `{png}`.\n")
 
 

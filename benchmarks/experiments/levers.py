@@ -188,7 +188,10 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
     ("vs_bf16_k{k}", the "demo-bf16-*" levers), each of the same training seed."""
     mine, out = root / name / f"eval-k{k}", {}
     refs = {f"delta_k{k}": "baseline"} if name != "baseline" else {}
-    seed = "-s1" if name.endswith("-s1") else ""  # a second-seed run pairs with the same seed's references
+    # a second-seed run pairs with the same seed's references; a run's last step ("NAME-last") with NAME's head
+    seed = "-s1" if name.removesuffix("-last").endswith("-s1") else ""
+    if name.endswith("-last"):
+        refs[f"vs_selected_k{k}"] = name.removesuffix("-last")
     if name.startswith("demo-"):
         refs[f"vs_demo_k{k}"] = "demo" + seed
     if name.startswith("demo-bf16-"):
@@ -226,9 +229,28 @@ def table(root: Path) -> None:
         vs = "; ".join(([dl(r["delta_k3"])] if "delta_k3" in r else [])
                        + ([f"vs demo {dl(r['vs_demo_k3'])}"] if "vs_demo_k3" in r else [])
                        + ([f"vs demo-bf16 {dl(r['vs_bf16_k3'])}"] if "vs_bf16_k3" in r else [])
-                       + ([f"vs demo-bf16-muon {dl(r['vs_muon_k3'])}"] if "vs_muon_k3" in r else []))
+                       + ([f"vs demo-bf16-muon {dl(r['vs_muon_k3'])}"] if "vs_muon_k3" in r else [])
+                       + ([f"vs its selected step {dl(r['vs_selected_k3'])}"] if "vs_selected_k3" in r else []))
         print(f"| {name} | {json.dumps(setting)} | {r['steps'] or ''} | {cpu} | {ci(r['tau_k3'], r['ci_k3'])} "
               f"| {vs} | {k5} | {pp} |")
+
+
+def export_last(train: Path, out: Path, model: str) -> Path:
+    """Export the last step checkpoint of the training run in `train` to `out` (as the trainer exports final/), for
+    scoring the run's last step next to the checkpoint its validations chose."""
+    from eagle3.model.draft import DraftConfig
+    from eagle3.model.formats import export
+    from eagle3.train import checkpoint as ckpt
+
+    man = json.loads((train / "manifest.json").read_text())
+    if not (out / "model.safetensors").is_file():
+        weights, _, meta = ckpt.load(ckpt.latest(train))
+        if meta["step"] != man["steps"]:
+            raise RuntimeError(f"{train}: the newest checkpoint is step {meta['step']}, the run ended at "
+                               f"{man['steps']}")
+        export(weights, DraftConfig(**man["draft_config"]), man["config"]["ttt_steps"], out, man["export_format"],
+               verifier=model, extra={"exported_step": meta["step"]})
+    return out
 
 
 def eagle3(*args: str) -> list[str]:
@@ -263,9 +285,22 @@ def main() -> None:
                     help="print the table of every run in --root/results.jsonl and exit")
     ap.add_argument("--score", default=None, metavar="NAME=DIR",
                     help="score a head trained elsewhere (e.g. the demo's runs/demo/train) as lever NAME, and exit")
+    ap.add_argument("--score-last", default=None, metavar="NAME",
+                    help="score the last step of lever NAME's run as NAME-last, paired against the head its trainer "
+                    "exported (the checkpoint its validations chose), and exit")
     a = ap.parse_args()
     if a.table:
         return table(Path(a.root))
+    if a.score_last:
+        root, name = Path(a.root), a.score_last + "-last"
+        train = root / a.score_last / "train"
+        draft = export_last(train, root / name / "final", a.model)
+        man = json.loads((train / "manifest.json").read_text())
+        row = {"lever": name, "train": LEVERS[a.score_last][0] if a.score_last in LEVERS else {},
+               "steps": man["steps"], "exported_step": man["steps"], "selected_step": man["best_step"],
+               "draft": str(draft)}
+        score(a, root, name, draft, [3], row)
+        return
     if a.score:
         name, train = a.score.split("=", 1)
         (Path(a.root) / name).mkdir(parents=True, exist_ok=True)

@@ -312,6 +312,7 @@ class TrainedDraft(StageManifest):
     final_dir: str = "final"
     export_format: str = "vllm"
     steps: int = 0
+    exported_step: int = -1  # the step final/ holds (config's export_step: the best validation's or the last)
     best_step: int = -1
     best_metric: str = Field("sim_tau", description="what chose the best checkpoint: replay_tau, else sim_tau")
     best_sim_tau: float = 0.0

@@ -45,14 +45,15 @@ def _inputs(cfg: TrainConfig, *, hidden, verifier, online: bool = False, **_) ->
 
 
 def summary(m: TrainedDraft) -> dict:
-    return {"steps": m.steps, "best_step": m.best_step, "best_metric": m.best_metric,
+    return {"steps": m.steps, "exported_step": m.exported_step, "best_step": m.best_step, "best_metric": m.best_metric,
             "best_sim_tau": m.best_sim_tau, "best_replay_tau": m.best_replay_tau, "final": m.final_dir,
             "export_format": m.export_format}
 
 
 def headline(m: TrainedDraft) -> str:
     replay = f", replay tau {m.best_replay_tau:.3f}" if m.best_replay_tau is not None else ""
-    return f"{m.steps} steps, best simulated tau {m.best_sim_tau:.3f}{replay} at step {m.best_step} ({m.best_metric})"
+    return (f"{m.steps} steps, best simulated tau {m.best_sim_tau:.3f}{replay} at step {m.best_step} "
+            f"({m.best_metric}); exported step {m.exported_step}")
 
 
 STAGE = Stage(

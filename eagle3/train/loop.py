@@ -408,28 +408,29 @@ class Run:
 
     # ---- export and commit (rank 0)
     def export(self, verifier_name: str) -> TrainedDraft:
-        """Export the best checkpoint (the last step's when no validation gave one) to out/final, plot the
-        curves, and write the stage's manifest last: its presence marks the stage done."""
+        """Export `cfg.export_step`'s checkpoint to out/final (best: the last step's when no validation gave one),
+        plot the curves, and write the stage's manifest last: its presence marks the stage done."""
         cfg, out, best = self.cfg, self.out, self.best
-        src = out / ckpt.CKPT_DIR / ckpt.BEST if (out / ckpt.CKPT_DIR / ckpt.BEST).is_dir() else last_step_dir(out)
+        best_dir = out / ckpt.CKPT_DIR / ckpt.BEST
+        src = best_dir if cfg.export_step == "best" and best_dir.is_dir() else last_step_dir(out)
         state_dict, _, meta = ckpt.load(src)
         export(state_dict, self.draft.config, cfg.ttt_steps, out / FINAL, cfg.export_format,
                verifier=verifier_name or self.hidden.model_dir,
-               extra={"best_step": best.step, "best_metric": best.metric, "sim_tau": best.sim_tau,
-                      "replay_tau": best.replay_tau,
+               extra={"exported_step": meta["step"], "best_step": best.step, "best_metric": best.metric,
+                      "sim_tau": best.sim_tau, "replay_tau": best.replay_tau,
                       "train_config": self.config})
         plot_curves(self.metrics_path, out / "curves.png")
         result = TrainedDraft(
             config=self.config, inputs=self.fp, final_dir=FINAL, export_format=cfg.export_format,
-            steps=self.pos.step, best_step=best.step, best_metric=best.metric, best_sim_tau=best.sim_tau_or_tau(),
-            best_replay_tau=best.replay_tau, val=last_val_record(self.metrics_path),
+            steps=self.pos.step, exported_step=meta["step"], best_step=best.step, best_metric=best.metric,
+            best_sim_tau=best.sim_tau_or_tau(), best_replay_tau=best.replay_tau, val=last_val_record(self.metrics_path),
             draft_config=self.draft.config.model_dump(mode="json"),
             weights_sha256=sha256_file(out / FINAL / "model.safetensors"),
         )
         result.write(out)
-        log.info("train: done, %d steps (%s compute); best %s %.3f at step %d; exported %s", self.pos.step,
-                 self.precision, best.metric.replace("_", " "), best.tau, best.step,
-                 out / FINAL)
+        log.info("train: done, %d steps (%s compute); best %s %.3f at step %d; exported step %d (%s) to %s",
+                 self.pos.step, self.precision, best.metric.replace("_", " "), best.tau, best.step, meta["step"],
+                 cfg.export_step, out / FINAL)
         return result
 
 

@@ -98,8 +98,10 @@ def test_two_nodes_equal_two_ranks_on_one_node(stages, two_ranks, tmp_path):
 
 
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(stages, tmp_path):
-    # with a replay set: each validation replays the val prompts' greedy answers, and picks the best by it
-    steps = ["--max-steps", "8", "--epochs", "5", "--replay", (stages / "replay").read_text(), "--val-every", "3"]
+    # with a replay set: each validation replays the val prompts' greedy answers, and picks the best by it; final/
+    # holds the last step's weights all the same (export_step last)
+    steps = ["--max-steps", "8", "--epochs", "5", "--replay", (stages / "replay").read_text(), "--val-every", "3",
+             "--export-step", "last"]
     run_train(stages, tmp_path / "clean", *steps)
     p = run_train(stages, tmp_path / "killed", *steps, wait=False)
     deadline = time.time() + 300
@@ -123,6 +125,15 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(stages, tmp_path):
     a = load_file(tmp_path / "clean" / "final" / "model.safetensors")
     b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from eagle3.model.draft import DraftConfig
+    from eagle3.model.formats import export
+    from eagle3.train.checkpoint import CKPT_DIR, load
+
+    assert m["exported_step"] == 8
+    last = load(tmp_path / "clean" / CKPT_DIR / "step-00000008")[0]
+    export(last, DraftConfig(**m["draft_config"]), 2, tmp_path / "last", "vllm", verifier="tiny-llama")
+    c = load_file(tmp_path / "last" / "model.safetensors")
+    assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)
 
 
 # ---------------------------------------------------------------- a clean stop, on real signals
@@ -301,7 +312,7 @@ def test_independent_load_of_final_reproduces_trainer_logits(trained, stages):
         a = mine.ttt_forward(ids, aux, pos, steps=2)
         b = ref.ttt_forward(ids, aux, pos, steps=2)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    assert m.best_step in (2, 3) and m.best_sim_tau >= 1.0
+    assert m.best_step in (2, 3) and m.best_sim_tau >= 1.0 and m.exported_step == m.best_step
 
 
 def test_speculators_export_layout(trained, tmp_path):
