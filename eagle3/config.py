@@ -200,8 +200,8 @@ class TrainConfig(_Cfg):
     export_step: Literal["best", "last"] = Field(
         "best", description="the checkpoint final/ is exported from: best (the validation that scored highest, by "
         "replay tau with a replay set, else simulated tau) or last (the final step's). A validation on a few dozen "
-        "prompts is a noisy score, and a schedule that decays the lr to 0 ends on its averaged weights: there the "
-        "last step is the better estimate, and best may pick an earlier one by noise alone",
+        "prompts is a noisy score: where the lr decays to about 0 the last steps barely move the weights, the last "
+        "step is the better estimate, and best may pick an earlier step by noise alone",
     )
     replay_max_new_tokens: int = Field(128, ge=1, le=1 << 16, description="tokens per replay-set answer at most")
     replay_k: int = Field(3, ge=1, le=32, description="draft tokens per round in the replay validation (serving k)")
