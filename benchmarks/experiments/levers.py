@@ -235,16 +235,16 @@ def table(root: Path) -> None:
               f"| {vs} | {k5} | {pp} |")
 
 
-def export_last(train: Path, out: Path, model: str) -> Path:
-    """Export the last step checkpoint of the training run in `train` to `out` (as the trainer exports final/), for
-    scoring the run's last step next to the checkpoint its validations chose."""
+def export_last(train: Path, man: dict, out: Path, model: str) -> Path:
+    """Export the last step checkpoint of the training run in `train` (its manifest `man`) to `out`, as the trainer
+    exports final/, for scoring the run's last step next to the checkpoint its validations chose."""
     from eagle3.model.draft import DraftConfig
     from eagle3.model.formats import export
     from eagle3.train import checkpoint as ckpt
+    from eagle3.train.loop import last_step_dir
 
-    man = json.loads((train / "manifest.json").read_text())
     if not (out / "model.safetensors").is_file():
-        weights, _, meta = ckpt.load(ckpt.latest(train))
+        weights, _, meta = ckpt.load(last_step_dir(train))
         if meta["step"] != man["steps"]:
             raise RuntimeError(f"{train}: the newest checkpoint is step {meta['step']}, the run ended at "
                                f"{man['steps']}")
@@ -294,8 +294,8 @@ def main() -> None:
     if a.score_last:
         root, name = Path(a.root), a.score_last + "-last"
         train = root / a.score_last / "train"
-        draft = export_last(train, root / name / "final", a.model)
         man = json.loads((train / "manifest.json").read_text())
+        draft = export_last(train, man, root / name / "final", a.model)
         row = {"lever": name, "train": LEVERS[a.score_last][0] if a.score_last in LEVERS else {},
                "steps": man["steps"], "exported_step": man["steps"], "selected_step": man["best_step"],
                "draft": str(draft)}
