@@ -74,9 +74,14 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "demo-bf16-muon-peerset": ({**MUON, **PEERSET}, {}, [3]),
     # the two winners together
     "demo-bf16-muon-mixed-peerset": ({**MUON, **PEERSET, **EQUAL_STEPS}, {"data": "mixed"}, [3]),
+    # which target layers feed fc (an extraction of their own; vLLM serves any 3 increasing ids below N): in the
+    # peerset head fc's output comes almost all from the highest aux state, so move the set toward the output
+    "demo-bf16-muon-peerset-aux29": ({**MUON, **PEERSET}, {"aux": [2, 15, 29]}, [3]),
+    "demo-bf16-muon-peerset-auxhi": ({**MUON, **PEERSET}, {"aux": [15, 22, 29]}, [3]),
 }
 
-# name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy" | "mixed"} | {}, eval k list).
+# name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy" | "mixed"} | {"aux": [a, b, c]}
+# | {}, eval k list).
 # "demo-*" levers change one thing of the demo preset (3 epochs, lr 3e-3) and are also paired against the
 # demo's own head, scored as lever "demo" (`--score demo=runs/demo/train`).
 LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
@@ -354,6 +359,14 @@ def main() -> None:
                     log, a.threads)
                 if "limit" in extra:  # the data's wall time counts for this lever (an extraction of its own)
                     (d / "data_timing.json").write_text(json.dumps({"data_wall_s": round(time.perf_counter() - w0, 1)}))
+        aux = ["--aux-layers", ",".join(map(str, extra["aux"]))] if "aux" in extra else []
+        if aux:  # the same samples, other layers' states: an extraction per set of ids (shared by the seeds)
+            extract = root / f"extract-aux-{'-'.join(map(str, extra['aux']))}"
+            if not (extract / "manifest.json").is_file():
+                w0 = time.perf_counter()
+                run(eagle3("extract", "--model", a.model, "--prepared", str(prepare), "--out", str(extract), *aux),
+                    log, a.threads)
+                (d / "data_timing.json").write_text(json.dumps({"data_wall_s": round(time.perf_counter() - w0, 1)}))
         if extra.get("data") in ("onpolicy", "mixed"):
             src = "regen" if extra["data"] == "onpolicy" else "mixed"
             dirs = [getattr(a, f"{src}_{stage}") for stage in ("prepare", "extract", "verifier")]
@@ -367,7 +380,7 @@ def main() -> None:
         if not timing.is_file():
             replay = subprocess.check_output(
                 eagle3("replay-set", "--model", a.model, "--prompts", str(prepare), "--limit", "32",
-                       "--max-new-tokens", "128", "--threads", str(a.threads)), cwd=REPO, text=True,
+                       "--max-new-tokens", "128", "--threads", str(a.threads), *aux), cwd=REPO, text=True,
                 stderr=subprocess.DEVNULL).strip().splitlines()[-1]
             wall, cpu = run([sys.executable, "-m", "eagle3.train", "--hidden", str(extract), "--verifier",
                              str(verifier), "--out", str(d / "train"), "--config", str(d / "train_config.json"),
