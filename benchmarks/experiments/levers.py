@@ -78,6 +78,10 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     # peerset head fc's output comes almost all from the highest aux state, so move the set toward the output
     "demo-bf16-muon-peerset-aux29": ({**MUON, **PEERSET}, {"aux": [2, 15, 29]}, [3]),
     "demo-bf16-muon-peerset-auxhi": ({**MUON, **PEERSET}, {"aux": [15, 22, 29]}, [3]),
+    # the loss aimed at the acceptance rate (LK hybrid), and speculators' weight decay on Muon's matrices (0.1;
+    # eagle3 has one weight_decay for every group): the held-out loss trails the train loss by ~2 nats at the end
+    "demo-bf16-muon-peerset-lk": ({**MUON, **PEERSET, "loss": "lk"}, {}, [3]),
+    "demo-bf16-muon-peerset-wd01": ({**MUON, **PEERSET, "weight_decay": 0.1}, {}, [3]),
 }
 
 # name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy" | "mixed"} | {"aux": [a, b, c]}
@@ -190,7 +194,8 @@ def score(a, root: Path, name: str, draft: Path, ks: list[int], row: dict) -> di
 def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float, float]]:
     """The paired deltas of lever `name` at k, from the per-prompt rounds on disk: against the baseline
     ("delta_k{k}", every lever), the demo head ("vs_demo_k{k}", the "demo-*" levers) and the demo's bf16 head
-    ("vs_bf16_k{k}", the "demo-bf16-*" levers), each of the same training seed."""
+    ("vs_bf16_k{k}", the "demo-bf16-*" levers), the Muon preset ("vs_muon_k{k}") and speculators' settings
+    ("vs_peerset_k{k}", the levers on top of them), each of the same training seed."""
     mine, out = root / name / f"eval-k{k}", {}
     refs = {f"delta_k{k}": "baseline"} if name != "baseline" else {}
     # a second-seed run pairs with the same seed's references; a run's last step ("NAME-last") with NAME's head
@@ -203,6 +208,8 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
         refs[f"vs_bf16_k{k}"] = "demo-bf16" + seed
     if name.startswith("demo-bf16-muon-") or name == "peer":
         refs[f"vs_muon_k{k}"] = "demo-bf16-muon" + seed
+    if name.startswith("demo-bf16-muon-peerset-") and not name.endswith("-last"):
+        refs[f"vs_peerset_k{k}"] = "demo-bf16-muon-peerset" + seed
     refs = {key: ref for key, ref in refs.items() if ref != name}
     for key, ref in refs.items():
         theirs = root / ref / f"eval-k{k}"
@@ -235,6 +242,7 @@ def table(root: Path) -> None:
                        + ([f"vs demo {dl(r['vs_demo_k3'])}"] if "vs_demo_k3" in r else [])
                        + ([f"vs demo-bf16 {dl(r['vs_bf16_k3'])}"] if "vs_bf16_k3" in r else [])
                        + ([f"vs demo-bf16-muon {dl(r['vs_muon_k3'])}"] if "vs_muon_k3" in r else [])
+                       + ([f"vs peerset {dl(r['vs_peerset_k3'])}"] if "vs_peerset_k3" in r else [])
                        + ([f"vs its selected step {dl(r['vs_selected_k3'])}"] if "vs_selected_k3" in r else []))
         print(f"| {name} | {json.dumps(setting)} | {r['steps'] or ''} | {cpu} | {ci(r['tau_k3'], r['ci_k3'])} "
               f"| {vs} | {k5} | {pp} |")
