@@ -82,6 +82,8 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     # eagle3 has one weight_decay for every group): the held-out loss trails the train loss by ~2 nats at the end
     "demo-bf16-muon-peerset-lk": ({**MUON, **PEERSET, "loss": "lk"}, {}, [3]),
     "demo-bf16-muon-peerset-wd01": ({**MUON, **PEERSET, "weight_decay": 0.1}, {}, [3]),
+    # twice the peak lr: tau still grows with the step count at this length, so the head is under-trained at 471 steps
+    "demo-bf16-muon-peerset-lr2e-3": ({**MUON, **PEERSET, "lr": 2e-3}, {}, [3]),
 }
 
 # name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy" | "mixed"} | {"aux": [a, b, c]}
