@@ -84,6 +84,7 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "demo-bf16-muon-peerset-wd01": ({**MUON, **PEERSET, "weight_decay": 0.1}, {}, [3]),
     # twice the peak lr: tau still grows with the step count at this length, so the head is under-trained at 471 steps
     "demo-bf16-muon-peerset-lr2e-3": ({**MUON, **PEERSET, "lr": 2e-3}, {}, [3]),
+    "demo-bf16-muon-peerset-lr4e-3": ({**MUON, **PEERSET, "lr": 4e-3}, {}, [3]),
 }
 
 # name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy" | "mixed"} | {"aux": [a, b, c]}
