@@ -83,6 +83,7 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     "demo-bf16-muon-peerset-lk": ({**MUON, **PEERSET, "loss": "lk"}, {}, [3]),
     "demo-bf16-muon-peerset-wd01": ({**MUON, **PEERSET, "weight_decay": 0.1}, {}, [3]),
     # twice the peak lr: tau still grows with the step count at this length, so the head is under-trained at 471 steps
+    # (examples/smollm2-sharegpt.yaml's training since; "demo-bf16-muon-peerset" stays the reference at 1e-3)
     "demo-bf16-muon-peerset-lr2e-3": ({**MUON, **PEERSET, "lr": 2e-3}, {}, [3]),
     "demo-bf16-muon-peerset-lr4e-3": ({**MUON, **PEERSET, "lr": 4e-3}, {}, [3]),
 }
