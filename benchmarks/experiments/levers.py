@@ -212,7 +212,7 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
         refs[f"vs_bf16_k{k}"] = "demo-bf16" + seed
     if name.startswith("demo-bf16-muon-") or name == "peer":
         refs[f"vs_muon_k{k}"] = "demo-bf16-muon" + seed
-    if name.startswith("demo-bf16-muon-peerset-") and not name.endswith("-last"):
+    if name.removesuffix("-last").removesuffix("-s1").startswith("demo-bf16-muon-peerset-"):
         refs[f"vs_peerset_k{k}"] = "demo-bf16-muon-peerset" + seed
     refs = {key: ref for key, ref in refs.items() if ref != name}
     for key, ref in refs.items():
@@ -220,6 +220,12 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
         if (mine / "samples.jsonl").is_file() and (theirs / "samples.jsonl").is_file():
             out[key] = paired_delta(theirs, mine)
     return out
+
+
+# the paired deltas of paired_deltas at k=3, in the order the table prints them
+VS_LABELS = (("delta_k3", ""), ("vs_demo_k3", "vs demo "), ("vs_bf16_k3", "vs demo-bf16 "),
+             ("vs_muon_k3", "vs demo-bf16-muon "), ("vs_peerset_k3", "vs peerset "),
+             ("vs_selected_k3", "vs its selected step "))
 
 
 def table(root: Path) -> None:
@@ -242,12 +248,7 @@ def table(root: Path) -> None:
         k5 = (ci(r["tau_k5"], r["ci_k5"]) + (f" ({dl(r['delta_k5'])})" if "delta_k5" in r else "")
               if "tau_k5" in r else "")
         pp = " / ".join(f"{x:.3f}" for x in r["per_position_k3"])
-        vs = "; ".join(([dl(r["delta_k3"])] if "delta_k3" in r else [])
-                       + ([f"vs demo {dl(r['vs_demo_k3'])}"] if "vs_demo_k3" in r else [])
-                       + ([f"vs demo-bf16 {dl(r['vs_bf16_k3'])}"] if "vs_bf16_k3" in r else [])
-                       + ([f"vs demo-bf16-muon {dl(r['vs_muon_k3'])}"] if "vs_muon_k3" in r else [])
-                       + ([f"vs peerset {dl(r['vs_peerset_k3'])}"] if "vs_peerset_k3" in r else [])
-                       + ([f"vs its selected step {dl(r['vs_selected_k3'])}"] if "vs_selected_k3" in r else []))
+        vs = "; ".join(f"{label}{dl(r[key])}" for key, label in VS_LABELS if key in r)
         print(f"| {name} | {json.dumps(setting)} | {r['steps'] or ''} | {cpu} | {ci(r['tau_k3'], r['ci_k3'])} "
               f"| {vs} | {k5} | {pp} |")
 
