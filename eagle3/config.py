@@ -39,6 +39,8 @@ class _Cfg(BaseModel):
 
 
 VllmDtype = Literal["auto", "float32", "bfloat16"]
+# a target's compute dtype where it runs on either backend (extract, regenerate): auto and fast as train.precision's
+ComputeDtype = Literal["auto", "fast", "float32", "bfloat16"]
 
 # online: how long one side of a spool (producer or trainer) waits on the other with no sign of life before it fails
 SPOOL_WAIT_S = 900.0
@@ -146,7 +148,13 @@ class ExtractConfig(_Cfg):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vLLM gpu_memory_utilization")
     max_num_batched_tokens: int | None = Field(None, ge=1,
                                                description="vLLM max_num_batched_tokens; empty: vLLM's default")
-    dtype: VllmDtype = vllm_dtype_field("(equal to the hf backend there to float noise)")
+    dtype: ComputeDtype = Field(
+        "auto", description="the target's compute dtype, both backends: auto = bf16 on a GPU, fp32 on a CPU; fast = "
+        "bf16 on a GPU and on a CPU with bf16 units (avx512_bf16 or AMX in /proc/cpuinfo), fp32 on a CPU without "
+        "them (which emulate bf16, slower than fp32). With the units bf16 extracts faster than fp32 (benchmarks/speed/"
+        "extract.py --dtypes); the states differ from fp32's by bf16 rounding, as a GPU's do. Part of the store's "
+        "inputs: a store computed in one dtype is not reused for the other",
+    )
     engine_args: EngineArgs = engine_args_field()
 
     @field_validator("aux_layer_ids")
@@ -453,8 +461,9 @@ class RegenConfig(_Cfg):
     batch_tokens: int = Field(
         32768, ge=64, description="hf: padded prompt tokens of one batch at most (long prompts get smaller batches)"
     )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="auto = fp32 on CPU (faster there), bf16 on CUDA, for both backends"
+    dtype: ComputeDtype = Field(
+        "auto", description="both backends: auto = fp32 on CPU, bf16 on CUDA; fast = bf16 also on a CPU with bf16 "
+        "units (avx512_bf16 or AMX), where it decodes faster than fp32 (the text differs from fp32's at near-ties)",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: TP size")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vllm: gpu_memory_utilization")

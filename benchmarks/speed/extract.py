@@ -12,7 +12,12 @@ Prints
 The fp8 stores are written by replaying the exact fp32 states of the bf16 run through the same
 writer, so they cost no second forward. Last line: one JSON object.
 
-    .venv/bin/python -m benchmarks.speed.extract [--limit 200] [--max-len 1024] [--prepared DIR]
+With --dtypes, instead: the whole stage computing in fp32 and in bf16 (`extract.dtype`), each twice, in the
+order fp32, bf16, bf16, fp32 (load from other processes hits both alike), on the same prepared samples: tokens/s
+of each, the ratio bf16 / fp32, and how far the bf16 store is from the fp32 one (argmax agreement of
+lm_head(norm(final)), and the relative RMS error of each stored state).
+
+    .venv/bin/python -m benchmarks.speed.extract [--limit 200] [--max-len 1024] [--prepared DIR] [--dtypes]
 """
 from __future__ import annotations
 
@@ -104,6 +109,46 @@ def agreement(lm_head, norm, store, ref_final, n_tokens: int) -> float:
     return hit / tot
 
 
+def dtypes(model: Path, prep: Path, tmp: Path, n_tokens: int) -> None:
+    """The stage in fp32 and in bf16 compute, side by side (see the module docstring)."""
+    seconds: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    for i, dt in enumerate(["float32", "bfloat16", "bfloat16", "float32"]):
+        t = time.perf_counter()
+        m = run_extract(model, prep, tmp / f"{dt}-{i}", ExtractConfig(dtype=dt), show_progress=False)
+        seconds[dt].append(time.perf_counter() - t)
+    tokens = m.num_tokens
+    rate = {dt: tokens / min(s) for dt, s in seconds.items()}
+    ref, got = open_store(tmp / "float32-0"), open_store(tmp / "bfloat16-1")
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hit = tot = 0
+    err = torch.zeros(4, dtype=torch.float64)
+    norm = torch.zeros(4, dtype=torch.float64)
+    with torch.inference_mode():
+        for a, b in zip(ref, got, strict=True):
+            if tot >= n_tokens:
+                break
+            x = torch.cat([a["aux_hidden_states"], a["final_hidden_states"][:, None]], 1).double()  # [T, 4, H]
+            y = torch.cat([b["aux_hidden_states"], b["final_hidden_states"][:, None]], 1).double()
+            err += (x - y).pow(2).sum((0, 2))
+            norm += x.pow(2).sum((0, 2))
+            top = [lm.lm_head(lm.model.norm(h[:, -1].float())).argmax(-1) for h in (x, y)]
+            hit += (top[0] == top[1]).sum().item()
+            tot += len(top[0])
+    rel = (err / norm).sqrt()
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads")
+    print(f"data: {m.num_samples} samples, {tokens} tokens")
+    for dt, s in seconds.items():
+        print(f"extract, {dt:8s} compute: {rate[dt]:7.1f} tok/s (best of {', '.join(f'{x:.1f}' for x in s)} s)")
+    print(f"bf16 / fp32 = {rate['bfloat16'] / rate['float32']:.3f}x")
+    print(f"bf16 against fp32 on {tot} tokens: argmax agreement {100 * hit / tot:.2f}%, relative RMS error of the "
+          f"stored states (3 aux, final) {', '.join(f'{v:.4f}' for v in rel.tolist())}")
+    print(json.dumps({"tokens": tokens, "tok_s": {k: round(v, 1) for k, v in rate.items()},
+                      "ratio": round(rate["bfloat16"] / rate["float32"], 3), "argmax_agreement": round(hit / tot, 5),
+                      "relative_rms_error": [round(v, 5) for v in rel.tolist()]}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=200)
@@ -111,6 +156,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(REPO / "assets" / "smollm2"))
     ap.add_argument("--prepared", default=None, help="an existing prepare dir (default: prepare ShareGPT here)")
     ap.add_argument("--agree-tokens", type=int, default=20000)
+    ap.add_argument("--dtypes", action="store_true", help="the stage in fp32 and in bf16 compute, side by side")
     a = ap.parse_args()
     model = materialize_smollm2(a.model) if Path(a.model).name == "smollm2" else Path(a.model)
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,6 +166,8 @@ def main() -> None:
             from eagle3.prepare import prepare
 
             prepare(model, prep, PrepareConfig(data="sharegpt", limit=a.limit, max_len=a.max_len), progress=False)
+        if a.dtypes:
+            return dtypes(model, prep, tmp, a.agree_tokens)
         base = Target.open(model).load_model(head=False, device="cpu")
         n = base.config.num_hidden_layers
         H = base.config.hidden_size

@@ -6,6 +6,8 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from eagle3.config import ExtractConfig
 from eagle3.model.target import Target
 
@@ -16,6 +18,13 @@ class Backend(Protocol):
     def extract(self, samples, on_tokens=None):  # -> Iterator[(sample_id, token_ids [T], hidden [T, L, H])]
         ...
 
+
+
+def compute_dtype(cfg: ExtractConfig) -> str:
+    """The target's compute dtype for this stage on this host ("float32" or "bfloat16"), either backend."""
+    from eagle3.runtime.floats import resolve_compute_dtype
+
+    return resolve_compute_dtype(cfg.dtype, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 # One backend built at a time per process. Ranges (and online producers) may run as threads of one process, and
@@ -36,7 +45,9 @@ def _make_backend(cfg: ExtractConfig, target: Target, layer_ids: list[int], out:
     if cfg.backend == "hf":
         from eagle3.extract.hf import HFBackend
 
-        return HFBackend(target.load_model(head=False), layer_ids, cfg.batch_tokens)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = getattr(torch, compute_dtype(cfg))
+        return HFBackend(target.load_model(head=False, device=device, dtype=dtype), layer_ids, cfg.batch_tokens)
     from eagle3.extract.vllm import VllmBackend
 
     return VllmBackend(target.path, layer_ids, cfg, max_len=max_len, tmp_dir=out / ".vllm-hidden-states",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import ExtractConfig
+from eagle3.extract.backend import compute_dtype
 from eagle3.model.target import Target
 from eagle3.storage.atomic import clean_temp_files
 from eagle3.storage.manifests import HiddenStates, PreparedData
@@ -24,8 +25,9 @@ from eagle3.storage.store import (
 def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig,
            trust_remote_code: bool = False, target: Target | None = None) -> dict[str, Any]:
     """What the stored states depend on: the prepared data's and the target's content, the layer ids, the
-    storage and the shard plan's settings (backend, batch and parallelism settings change speed, not bytes).
-    The stage's "already done" check and the Prefect task's cache key are both this dict. `target`: `model`
+    storage, the compute dtype as resolved on this host (bf16 states differ from fp32's by more than two
+    backends' float noise) and the shard plan's settings (backend, batch and parallelism settings change speed,
+    not bytes). The stage's "already done" check and the Prefect task's cache key are both this dict. `target`: `model`
     already open."""
     target = target or Target.open(model, trust_remote_code)
     return {
@@ -34,6 +36,7 @@ def inputs(model: str | Path, prepared: str | Path, cfg: ExtractConfig,
         "model": target.fingerprint(),
         "layer_ids": target.layer_ids(cfg.aux_layer_ids),
         "storage": cfg.storage,
+        "dtype": compute_dtype(cfg),
         "splits": cfg.splits,
         "shard_bytes": cfg.shard_bytes,
     }

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import ExtractConfig
-from eagle3.extract.backend import Backend, make_backend
+from eagle3.extract.backend import Backend, compute_dtype, make_backend
 from eagle3.extract.resume import Previous, committed_shards, drop_stale_shards, open_out
 from eagle3.extract.samples import Samples, check_engine_length, load_samples
 from eagle3.model.target import Target
@@ -61,7 +61,8 @@ def _open_reuse(dirs: Sequence[str | Path], out: Path, common: dict[str, Any]) -
             raise ValueError(f"--reuse {d}: cannot reuse the output dir itself (its shards are being rewritten)")
         st = HiddenStateStore(d)
         m = st.manifest
-        theirs = {"model": m.model_fingerprint, "layer_ids": m.layer_ids, "storage": m.storage}
+        theirs = {"model": m.model_fingerprint, "layer_ids": m.layer_ids, "storage": m.storage,
+                  "dtype": m.inputs.get("dtype")}
         ours = {k: common[k] for k in theirs}
         if theirs != ours:
             print(f"eagle3 extract: not reusing {d}: it differs in {[k for k in ours if ours[k] != theirs[k]]}",
@@ -307,8 +308,8 @@ class ExtractRun:
 def plan_run(out: Path, cfg: ExtractConfig, target: Target, samples: Samples, prev: Previous,
              reuse: Sequence[str | Path], backend: Backend | None, part: tuple[int, int] | None = None) -> ExtractRun:
     """Plan the shards of `samples` (only range k of n of them for `part` = (k, n)), and find which are already
-    committed in `out` and which samples the `reuse` dirs hold (a reuse dir of another model, layer ids or
-    storage is named and skipped)."""
+    committed in `out` and which samples the `reuse` dirs hold (a reuse dir of another model, layer ids,
+    storage or compute dtype is named and skipped)."""
     layer_ids = target.layer_ids(cfg.aux_layer_ids)
     model_fp = target.fingerprint()
     # A shard's bytes depend on these and on its sample ids (content hashes) only -- not on the
@@ -318,6 +319,7 @@ def plan_run(out: Path, cfg: ExtractConfig, target: Target, samples: Samples, pr
         "model": model_fp,
         "layer_ids": layer_ids,
         "storage": cfg.storage,
+        "dtype": compute_dtype(cfg),  # a shard computed in bf16 is not kept by a float32 rerun, nor reused by one
     }
     tok_bytes = bytes_per_token(len(layer_ids) - 1, target.hidden_size, cfg.storage)
     plans = plan_shards(samples, tok_bytes, cfg.shard_bytes, common)

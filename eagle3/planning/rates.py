@@ -32,6 +32,9 @@ VLLM_DECODE_TOK_PER_S = 2000      # batched decoding per engine
 SMOLLM2_PARAMS = 135e6
 PREPARE_CONV_PER_S = 490          # prepare, conversations/s (where no sample of the source was timed)
 EXTRACT_CPU_TOK_PER_S = 570       # hf extraction, 2 threads, packed linears
+# ... computing in bf16 on a CPU with bf16 units (extract.dtype: fast): the whole stage ran 1.48x its fp32 rate on
+# the reference kind (2-core AMD EPYC, avx512_bf16; both in one process, benchmarks/speed/extract.py --dtypes)
+EXTRACT_CPU_BF16_TOK_PER_S = 840
 # training, k=3, 2048-token packs, 2 threads: the first epoch (it computes the target's full-vocab argmax where a
 # loss reads it) and later ones (the argmax cached per sample); plus torchrun's start and each validation's
 # forward over the val split (half a training step's cost per token: 7 s for the demo's 8.3k val tokens)

@@ -29,7 +29,8 @@ def extract_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, host: HostS
     if cfg.extract.backend == "vllm":
         s = 2 * active * tokens / (gpus * rates.GPU_EXTRACT_FLOPS["moe" if t.active_parameters else "dense"])
     else:
-        s = tokens / rates.EXTRACT_CPU_TOK_PER_S * (active / rates.SMOLLM2_PARAMS) / host.forward
+        rate = rates.EXTRACT_CPU_BF16_TOK_PER_S if extract_dtype(cfg) == "bfloat16" else rates.EXTRACT_CPU_TOK_PER_S
+        s = tokens / rate * (active / rates.SMOLLM2_PARAMS) / host.forward
     return s * worker_share(cfg, t, tokens)
 
 
@@ -59,20 +60,36 @@ def cpu_precision(cfg: PipelineConfig) -> str:
     return resolve_precision(cfg.train.precision, "cpu")
 
 
+def extract_dtype(cfg: PipelineConfig) -> str:
+    """What extract.dtype resolves to on this host's CPU ("bfloat16" or "float32")."""
+    from eagle3.runtime.floats import resolve_compute_dtype
+
+    return resolve_compute_dtype(cfg.extract.dtype, "cpu")
+
+
 def precision_rows(pl: Plan, cfg: PipelineConfig) -> list[str]:
-    """A CPU trainer's precision as a row; the problem where bf16 is asked of a CPU without bf16 units (emulated,
-    many times slower than fp32: a 2-core AVX2 host ran the probe's training step 13-16x slower)."""
+    """The CPU extraction's and trainer's precision as rows; the problem where bf16 is asked of a CPU without bf16
+    units (emulated, many times slower than fp32: a 2-core AVX2 host ran the probe's training step 13-16x
+    slower)."""
     from eagle3.runtime.floats import cpu_bf16
 
     if cfg.extract.backend == "vllm":
         return []
     units = "bf16 units" if cpu_bf16() else "no bf16 units (avx512_bf16, AMX)"
+    pl.row("extract", f"compute dtype on this CPU ({units}; extract.dtype: {cfg.extract.dtype})", extract_dtype(cfg))
     pl.row("train", f"precision on this CPU ({units}; train.precision: {cfg.train.precision})", cpu_precision(cfg))
-    if cfg.train.precision == "bf16" and not cpu_bf16():
-        return ["train: precision bf16 on a CPU without bf16 units (avx512_bf16 or AMX in /proc/cpuinfo) is emulated "
-                "and many times slower than fp32; set train.precision: fast (bf16 where the CPU has the units) or "
-                "fp32"]
-    return []
+    if cpu_bf16():
+        return []
+    problems = []
+    if cfg.extract.dtype == "bfloat16":
+        problems.append("extract: dtype bfloat16 on a CPU without bf16 units (avx512_bf16 or AMX in /proc/cpuinfo) is "
+                        "emulated, as the trainer's bf16 is (13-16x slower than fp32 there); set extract.dtype: fast "
+                        "(bf16 where the CPU has the units) or float32")
+    if cfg.train.precision == "bf16":
+        problems.append("train: precision bf16 on a CPU without bf16 units (avx512_bf16 or AMX in /proc/cpuinfo) is "
+                        "emulated and many times slower than fp32; set train.precision: fast (bf16 where the CPU has "
+                        "the units) or fp32")
+    return problems
 
 
 def time_rows(pl: Plan, cfg: PipelineConfig, t: TargetPlan, tokens: int, P: int, vd: int) -> list[str]:

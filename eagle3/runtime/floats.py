@@ -1,6 +1,6 @@
 """Floating point on the CPU: denormal floats never made by the trainer's exp (`exp_`) and flushed to zero while
-it trains (`denormals_flushed`); whether the CPU has bf16 units (`cpu_bf16`) and the trainer's autocast
-(`autocast`).
+it trains (`denormals_flushed`); whether the CPU has bf16 units (`cpu_bf16`), the trainer's autocast
+(`autocast`) and the target's compute dtype (`resolve_compute_dtype`).
 
 Why: an x86 core computes with a denormal operand or result (|x| < 1.18e-38 in fp32) through a microcode
 assist that costs tens to hundreds of cycles instead of one. Training makes them: as the draft sharpens, its
@@ -78,6 +78,14 @@ def resolve_precision(precision: str, device: torch.device | str) -> str:
     if precision == "fast":
         return "bf16" if kind == "cuda" or (kind == "cpu" and cpu_bf16()) else "fp32"
     return precision
+
+
+def resolve_compute_dtype(choice: str, device: torch.device | str) -> str:
+    """A target's compute dtype setting (extract, regenerate) -> "float32" or "bfloat16": `auto` and `fast` as in
+    `resolve_precision`, "float32" / "bfloat16" as given."""
+    if choice in ("float32", "bfloat16"):
+        return choice
+    return {"bf16": "bfloat16", "fp32": "float32"}[resolve_precision(choice, device)]
 
 
 def autocast(precision: str, device: torch.device) -> AbstractContextManager:

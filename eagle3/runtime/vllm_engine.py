@@ -40,10 +40,11 @@ def on_cpu() -> bool:
 
 
 def resolve_dtype(choice: str) -> str:
-    """The dtype passed to `LLM(dtype=...)`: "auto" is bf16 on CUDA, fp32 on a CPU engine."""
-    if choice != "auto":
-        return choice
-    return "float32" if on_cpu() else "bfloat16"
+    """The dtype passed to `LLM(dtype=...)`: "auto" is bf16 on CUDA, fp32 on a CPU engine; "fast" is bf16 on CUDA
+    and on a CPU with bf16 units, fp32 on a CPU without them (`eagle3.runtime.floats.resolve_compute_dtype`)."""
+    from eagle3.runtime.floats import resolve_compute_dtype
+
+    return resolve_compute_dtype(choice, "cpu" if on_cpu() else "cuda")
 
 
 CPU_KV_CACHE_GIB = 2  # the CPU engine's KV cache, host memory (VLLM_CPU_KVCACHE_SPACE)

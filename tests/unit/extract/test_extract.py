@@ -92,6 +92,30 @@ def test_tiny_llama_parity_fp32(tiny_llama_dir, tmp_path):
         torch.testing.assert_close(_logits_from_final(lm, s["final_hidden_states"]), logits, atol=1e-4, rtol=0)
 
 
+def test_bf16_compute_is_fp32_to_bf16_rounding_and_never_mixed_with_it(tiny_llama_dir, tmp_path):
+    rows = random_samples(1000, [5, 17, 33, 9, 40, 2], seed=1)
+    prep = tmp_path / "prep"
+    write_prepared(prep, {"train": rows[:4], "val": rows[4:]})
+    fp32 = ExtractConfig(storage="fp32", aux_layer_ids=[0, 3, 5])  # fp32 storage: the computed values as they are
+    bf16 = fp32.model_copy(update={"dtype": "bfloat16"})
+    m32 = run_extract(tiny_llama_dir, prep, tmp_path / "fp32", fp32, show_progress=False)
+    m16 = run_extract(tiny_llama_dir, prep, tmp_path / "bf16", bf16, show_progress=False)
+    assert (m32.inputs["dtype"], m16.inputs["dtype"]) == ("float32", "bfloat16")
+    for a, b in zip(open_store(tmp_path / "fp32"), open_store(tmp_path / "bf16"), strict=True):
+        for key in ("aux_hidden_states", "final_hidden_states"):
+            x, y = a[key], b[key]
+            assert torch.equal(y, y.bfloat16().float())  # computed in bf16
+            rel = ((x - y).norm() / x.norm()).item()
+            assert 1e-4 < rel < 0.02, (key, rel)  # bf16 rounding (2^-9 relative) through 6 layers, not more
+    # a float32 run does not reuse the bf16 store's samples, and in the bf16 dir keeps none of its shards
+    m = run_extract(tiny_llama_dir, prep, tmp_path / "c", fp32, reuse=[tmp_path / "bf16"], show_progress=False)
+    assert m.stats["samples_reused"] == 0
+    m = run_extract(tiny_llama_dir, prep, tmp_path / "bf16", fp32, show_progress=False)
+    assert m.stats["shards_skipped"] == 0 and m.fingerprint == m32.fingerprint
+    for a, b in zip(open_store(tmp_path / "fp32"), open_store(tmp_path / "bf16"), strict=True):
+        assert torch.equal(a["aux_hidden_states"], b["aux_hidden_states"])
+
+
 def test_final_layer_check_refuses_the_layer_before(smollm2_dir, tmp_path, monkeypatch):
     """A backend that catches layer N - 1 where the store says N (an off-by-one on the last id: every shape right)
     is refused by the final-layer check on SmolLM2, naming the layer, and leaves no shard; the same run with the

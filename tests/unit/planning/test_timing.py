@@ -59,3 +59,41 @@ def test_bf16_asked_of_a_cpu_without_bf16_units_is_refused_with_the_fix(monkeypa
                         "the units) or fp32"]
     monkeypatch.setattr(floats, "cpu_bf16", lambda: True)
     assert _train_s(_demo(precision="bf16"))[1] == []
+
+
+def _extract(monkeypatch, units: bool, dtype: str) -> tuple[float, list[str], str]:
+    monkeypatch.setattr(floats, "cpu_bf16", lambda: units)
+    cfg = _demo()
+    cfg = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"dtype": dtype})})
+    pl = plan(cfg, free_bytes=1 << 50, free_mem=1 << 40)
+    row = next(r for r in pl.rows if r.what.startswith("compute dtype on this CPU"))
+    return pl.seconds["extract"], pl.problems, row.human
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_extract_dtype_resolves_like_the_trainers_precision(monkeypatch, units):
+    monkeypatch.setattr(floats, "cpu_bf16", lambda: units)
+    assert floats.resolve_compute_dtype("fast", "cpu") == ("bfloat16" if units else "float32")
+    assert floats.resolve_compute_dtype("auto", "cpu") == "float32"
+    assert floats.resolve_compute_dtype("fast", "cuda") == "bfloat16" == floats.resolve_compute_dtype("auto", "cuda")
+    assert floats.resolve_compute_dtype("float32", "cuda") == "float32"
+    assert floats.resolve_compute_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def test_the_plan_extracts_at_the_bf16_rate_where_fast_resolves_to_bf16(monkeypatch, smollm2_dir):
+    fp32_s, problems, shown = _extract(monkeypatch, False, "fast")
+    assert not problems and shown == "float32"
+    assert _extract(monkeypatch, False, "auto")[0] == fp32_s
+    bf16_s, problems, shown = _extract(monkeypatch, True, "fast")
+    assert not problems and shown == "bfloat16"
+    assert fp32_s / bf16_s == pytest.approx(rates.EXTRACT_CPU_BF16_TOK_PER_S / rates.EXTRACT_CPU_TOK_PER_S)
+    assert _extract(monkeypatch, True, "auto")[0] == fp32_s  # auto: the same numbers on every CPU host
+
+
+def test_extract_bf16_asked_of_a_cpu_without_bf16_units_is_refused_with_the_fix(monkeypatch, smollm2_dir):
+    _, problems, shown = _extract(monkeypatch, False, "bfloat16")
+    assert shown == "bfloat16"
+    assert problems == ["extract: dtype bfloat16 on a CPU without bf16 units (avx512_bf16 or AMX in /proc/cpuinfo) is "
+                        "emulated, as the trainer's bf16 is (13-16x slower than fp32 there); set extract.dtype: fast "
+                        "(bf16 where the CPU has the units) or float32"]
+    assert _extract(monkeypatch, True, "bfloat16")[1] == []
