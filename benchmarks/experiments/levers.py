@@ -86,10 +86,13 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     # (examples/smollm2-sharegpt.yaml's training since; "demo-bf16-muon-peerset" stays the reference at 1e-3)
     "demo-bf16-muon-peerset-lr2e-3": ({**MUON, **PEERSET, "lr": 2e-3}, {}, [3]),
     "demo-bf16-muon-peerset-lr4e-3": ({**MUON, **PEERSET, "lr": 4e-3}, {}, [3]),
+    # the preset's training on states extracted in bf16 (extract.dtype: fast on a CPU with bf16 units; a store of its
+    # own, shared by the seeds), paired against the same training on the fp32 store ("vs_fp32x")
+    "demo-bf16-muon-peerset-lr2e-3-x16": ({**MUON, **PEERSET, "lr": 2e-3}, {"extract_dtype": "bfloat16"}, [3]),
 }
 
 # name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy" | "mixed"} | {"aux": [a, b, c]}
-# | {}, eval k list).
+# | {"extract_dtype": "bfloat16"} | {}, eval k list).
 # "demo-*" levers change one thing of the demo preset (3 epochs, lr 3e-3) and are also paired against the
 # demo's own head, scored as lever "demo" (`--score demo=runs/demo/train`).
 LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
@@ -199,7 +202,8 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
     """The paired deltas of lever `name` at k, from the per-prompt rounds on disk: against the baseline
     ("delta_k{k}", every lever), the demo head ("vs_demo_k{k}", the "demo-*" levers) and the demo's bf16 head
     ("vs_bf16_k{k}", the "demo-bf16-*" levers), the Muon preset ("vs_muon_k{k}") and speculators' settings
-    ("vs_peerset_k{k}", the levers on top of them), each of the same training seed."""
+    ("vs_peerset_k{k}", the levers on top of them), and a "-x16" run (bf16-extracted states) the same run on the fp32
+    store ("vs_fp32x_k{k}"), each of the same training seed."""
     mine, out = root / name / f"eval-k{k}", {}
     refs = {f"delta_k{k}": "baseline"} if name != "baseline" else {}
     # a second-seed run pairs with the same seed's references; a run's last step ("NAME-last") with NAME's head
@@ -214,6 +218,8 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
         refs[f"vs_muon_k{k}"] = "demo-bf16-muon" + seed
     if name.removesuffix("-last").removesuffix("-s1").startswith("demo-bf16-muon-peerset-"):
         refs[f"vs_peerset_k{k}"] = "demo-bf16-muon-peerset" + seed
+    if name.removesuffix("-last").removesuffix("-s1").endswith("-x16"):
+        refs[f"vs_fp32x_k{k}"] = name.replace("-x16", "")
     refs = {key: ref for key, ref in refs.items() if ref != name}
     for key, ref in refs.items():
         theirs = root / ref / f"eval-k{k}"
@@ -225,7 +231,7 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
 # the paired deltas of paired_deltas at k=3, in the order the table prints them
 VS_LABELS = (("delta_k3", ""), ("vs_demo_k3", "vs demo "), ("vs_bf16_k3", "vs demo-bf16 "),
              ("vs_muon_k3", "vs demo-bf16-muon "), ("vs_peerset_k3", "vs peerset "),
-             ("vs_selected_k3", "vs its selected step "))
+             ("vs_selected_k3", "vs its selected step "), ("vs_fp32x_k3", "vs the fp32 store "))
 
 
 def table(root: Path) -> None:
@@ -373,12 +379,14 @@ def main() -> None:
                 if "limit" in extra:  # the data's wall time counts for this lever (an extraction of its own)
                     (d / "data_timing.json").write_text(json.dumps({"data_wall_s": round(time.perf_counter() - w0, 1)}))
         aux = ["--aux-layers", ",".join(map(str, extra["aux"]))] if "aux" in extra else []
-        if aux:  # the same samples, other layers' states: an extraction per set of ids (shared by the seeds)
-            extract = root / f"extract-aux-{'-'.join(map(str, extra['aux']))}"
+        dtype = ["--dtype", extra["extract_dtype"]] if "extract_dtype" in extra else []
+        if aux or dtype:  # the same samples, other states: an extraction per set of ids or dtype (shared by the seeds)
+            extract = root / (f"extract-aux-{'-'.join(map(str, extra['aux']))}" if aux else
+                              f"extract-{extra['extract_dtype']}")
             if not (extract / "manifest.json").is_file():
                 w0 = time.perf_counter()
-                run(eagle3("extract", "--model", a.model, "--prepared", str(prepare), "--out", str(extract), *aux),
-                    log, a.threads)
+                run(eagle3("extract", "--model", a.model, "--prepared", str(prepare), "--out", str(extract), *aux,
+                           *dtype), log, a.threads)
                 (d / "data_timing.json").write_text(json.dumps({"data_wall_s": round(time.perf_counter() - w0, 1)}))
         if extra.get("data") in ("onpolicy", "mixed"):
             src = "regen" if extra["data"] == "onpolicy" else "mixed"
