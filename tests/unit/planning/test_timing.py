@@ -18,10 +18,14 @@ def _demo(**train) -> PipelineConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=train)})
 
 
-def _train_s(cfg: PipelineConfig) -> tuple[float, list[str], str]:
+def _planned(cfg: PipelineConfig, stage: str, row: str) -> tuple[float, list[str], str]:
+    """The plan's seconds for `stage`, its problems, and the value of its row starting with `row`."""
     pl = plan(cfg, free_bytes=1 << 50, free_mem=1 << 40)
-    row = next(r for r in pl.rows if r.what.startswith("precision on this CPU"))
-    return pl.seconds["train"], pl.problems, row.human
+    return pl.seconds[stage], pl.problems, next(r for r in pl.rows if r.what.startswith(row)).human
+
+
+def _train_s(cfg: PipelineConfig) -> tuple[float, list[str], str]:
+    return _planned(cfg, "train", "precision on this CPU")
 
 
 @pytest.mark.parametrize("units", [True, False])
@@ -65,9 +69,7 @@ def _extract(monkeypatch, units: bool, dtype: str) -> tuple[float, list[str], st
     monkeypatch.setattr(floats, "cpu_bf16", lambda: units)
     cfg = _demo()
     cfg = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"dtype": dtype})})
-    pl = plan(cfg, free_bytes=1 << 50, free_mem=1 << 40)
-    row = next(r for r in pl.rows if r.what.startswith("compute dtype on this CPU"))
-    return pl.seconds["extract"], pl.problems, row.human
+    return _planned(cfg, "extract", "compute dtype on this CPU")
 
 
 @pytest.mark.parametrize("units", [True, False])
