@@ -216,9 +216,10 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
         refs[f"vs_bf16_k{k}"] = "demo-bf16" + seed
     if name.startswith("demo-bf16-muon-") or name == "peer":
         refs[f"vs_muon_k{k}"] = "demo-bf16-muon" + seed
-    if name.removesuffix("-last").removesuffix("-s1").startswith("demo-bf16-muon-peerset-"):
+    stem = name.removesuffix("-last").removesuffix("-s1")  # the lever itself, whichever seed and step
+    if stem.startswith("demo-bf16-muon-peerset-"):
         refs[f"vs_peerset_k{k}"] = "demo-bf16-muon-peerset" + seed
-    if name.removesuffix("-last").removesuffix("-s1").endswith("-x16"):
+    if stem.endswith("-x16"):
         refs[f"vs_fp32x_k{k}"] = name.replace("-x16", "")
     refs = {key: ref for key, ref in refs.items() if ref != name}
     for key, ref in refs.items():

@@ -20,11 +20,15 @@ class Backend(Protocol):
 
 
 
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def compute_dtype(cfg: ExtractConfig) -> str:
     """The target's compute dtype for this stage on this host ("float32" or "bfloat16"), either backend."""
     from eagle3.runtime.floats import resolve_compute_dtype
 
-    return resolve_compute_dtype(cfg.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_compute_dtype(cfg.dtype, _device())
 
 
 # One backend built at a time per process. Ranges (and online producers) may run as threads of one process, and
@@ -45,9 +49,8 @@ def _make_backend(cfg: ExtractConfig, target: Target, layer_ids: list[int], out:
     if cfg.backend == "hf":
         from eagle3.extract.hf import HFBackend
 
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, compute_dtype(cfg))
-        return HFBackend(target.load_model(head=False, device=device, dtype=dtype), layer_ids, cfg.batch_tokens)
+        model = target.load_model(head=False, device=_device(), dtype=getattr(torch, compute_dtype(cfg)))
+        return HFBackend(model, layer_ids, cfg.batch_tokens)
     from eagle3.extract.vllm import VllmBackend
 
     return VllmBackend(target.path, layer_ids, cfg, max_len=max_len, tmp_dir=out / ".vllm-hidden-states",
