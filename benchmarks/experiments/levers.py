@@ -89,6 +89,13 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     # the preset's training on states extracted in bf16 (extract.dtype: fast on a CPU with bf16 units; a store of its
     # own, shared by the seeds), paired against the same training on the fp32 store ("vs_fp32x")
     "demo-bf16-muon-peerset-lr2e-3-x16": ({**MUON, **PEERSET, "lr": 2e-3}, {"extract_dtype": "bfloat16"}, [3]),
+    # fresh conversations instead of repeated passes, at equal steps: the preset's 471 steps over 800 conversations
+    # (~1.5 passes) against 3 passes over 400. At the third pass the train loss falls ~2 nats below the held-out
+    # loss while the held-out replay tau stops rising: the head memorises what it has seen. Its store extends the
+    # -x16 lever's (the first 400 conversations are copied from it: --reuse), so the extra cost is 400 conversations
+    # of bf16 extraction; paired against the -x16 lever ("vs_data")
+    "demo-bf16-muon-peerset-lr2e-3-x16-fresh800": ({**MUON, **PEERSET, "lr": 2e-3, **EQUAL_STEPS},
+                                                    {"limit": 800, "extract_dtype": "bfloat16"}, [3]),
 }
 
 # name -> (train overrides, extra: {"vocab": N} | {"limit": N} | {"data": "onpolicy" | "mixed"} | {"aux": [a, b, c]}
@@ -221,6 +228,8 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
         refs[f"vs_peerset_k{k}"] = "demo-bf16-muon-peerset" + seed
     if stem.endswith("-x16"):
         refs[f"vs_fp32x_k{k}"] = name.replace("-x16", "")
+    if "-x16-" in stem:  # a data lever on the bf16 store: against the same training on the demo's data
+        refs[f"vs_data_k{k}"] = stem.split("-x16-")[0] + "-x16" + seed
     refs = {key: ref for key, ref in refs.items() if ref != name}
     for key, ref in refs.items():
         theirs = root / ref / f"eval-k{k}"
@@ -232,7 +241,8 @@ def paired_deltas(root: Path, name: str, k: int) -> dict[str, tuple[float, float
 # the paired deltas of paired_deltas at k=3, in the order the table prints them
 VS_LABELS = (("delta_k3", ""), ("vs_demo_k3", "vs demo "), ("vs_bf16_k3", "vs demo-bf16 "),
              ("vs_muon_k3", "vs demo-bf16-muon "), ("vs_peerset_k3", "vs peerset "),
-             ("vs_selected_k3", "vs its selected step "), ("vs_fp32x_k3", "vs the fp32 store "))
+             ("vs_selected_k3", "vs its selected step "), ("vs_fp32x_k3", "vs the fp32 store "),
+             ("vs_data_k3", "vs the demo's data "))
 
 
 def table(root: Path) -> None:
@@ -297,6 +307,9 @@ def main() -> None:
     ap.add_argument("--mixed-prepare", default=None)
     ap.add_argument("--root", default="runs/levers")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--data-threads", type=int, default=None,
+                    help="threads of a lever's own prepare/extract/verifier (default --threads): the data of a lever "
+                    "is built once, before its seeds train side by side")
     ap.add_argument("--only", default=None, help="comma-separated lever names (default: all, in order)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--limit", type=int, default=None, help="MT-Bench questions (default all 80)")
@@ -361,27 +374,34 @@ def main() -> None:
         prepare, extract, verifier = Path(a.prepare), Path(a.extract), Path(a.verifier)
         if "vocab" in extra or "limit" in extra:
             # its own prepare: a new vocab map over the same samples (the hidden states do not change), or more
-            # (or fewer) conversations, which need their own extraction too
+            # (or fewer) conversations, which need their own extraction too (one data dir per size and dtype, shared
+            # by the seeds)
             src = json.loads((Path(a.prepare) / "manifest.json").read_text())["config"]
-            prepare, verifier = d / "prepare", d / "verifier"
-            extract = d / "extract" if "limit" in extra else extract
+            data = (root / f"data-{extra['limit']}-{extra.get('extract_dtype', 'auto')}" if "limit" in extra else d)
+            prepare, verifier = data / "prepare", data / "verifier"
+            extract = data / "extract" if "limit" in extra else extract
             if not (verifier / "manifest.json").is_file():
                 w0 = time.perf_counter()
                 run(eagle3("prepare", "--model", a.model, "--data", src["data"],
                            "--limit", str(extra.get("limit", src["limit"])), "--max-len", str(src["max_len"]),
                            "--val-fraction", str(src["val_fraction"]), "--seed", str(src["seed"]),
                            "--draft-vocab", str(extra.get("vocab", src["draft_vocab"])), "--out", str(prepare)),
-                    log, a.threads)
-                if "limit" in extra:
-                    run(eagle3("extract", "--model", a.model, "--prepared", str(prepare), "--out", str(extract)),
-                        log, a.threads)
+                    log, a.data_threads or a.threads)
+                if "limit" in extra:  # the samples already in a store of the same settings are copied, not recomputed
+                    dt = ["--dtype", extra["extract_dtype"]] if "extract_dtype" in extra else []
+                    reuse = [x for s in (Path(a.extract), root / f"extract-{extra.get('extract_dtype')}")
+                             if (s / "manifest.json").is_file() for x in ("--reuse", str(s))]
+                    run(eagle3("extract", "--model", a.model, "--prepared", str(prepare), "--out", str(extract),
+                               *dt, *reuse), log, a.data_threads or a.threads)
                 run(eagle3("verifier", "--model", a.model, "--prepared", str(prepare), "--out", str(verifier)),
-                    log, a.threads)
+                    log, a.data_threads or a.threads)
                 if "limit" in extra:  # the data's wall time counts for this lever (an extraction of its own)
-                    (d / "data_timing.json").write_text(json.dumps({"data_wall_s": round(time.perf_counter() - w0, 1)}))
+                    w = round(time.perf_counter() - w0, 1)
+                    (data / "data_timing.json").write_text(json.dumps({"data_wall_s": w}))
         aux = ["--aux-layers", ",".join(map(str, extra["aux"]))] if "aux" in extra else []
         dtype = ["--dtype", extra["extract_dtype"]] if "extract_dtype" in extra else []
-        if aux or dtype:  # the same samples, other states: an extraction per set of ids or dtype (shared by the seeds)
+        # the same samples, other states: an extraction per set of ids or dtype (shared by the seeds)
+        if (aux or dtype) and "limit" not in extra:
             extract = root / (f"extract-aux-{'-'.join(map(str, extra['aux']))}" if aux else
                               f"extract-{extra['extract_dtype']}")
             if not (extract / "manifest.json").is_file():
@@ -409,8 +429,9 @@ def main() -> None:
                              "--replay", replay], log, a.threads)
             timing.write_text(json.dumps({"train_wall_s": round(wall, 1), "train_cpu_s": round(cpu, 1)}))
         t = json.loads(timing.read_text())
-        if (d / "data_timing.json").is_file():  # a lever with its own extraction: its wall time counts too
-            t.update(json.loads((d / "data_timing.json").read_text()))
+        for f in (d / "data_timing.json", extract.parent / "data_timing.json"):
+            if f.is_file():  # a lever with its own extraction: its wall time counts too
+                t.update(json.loads(f.read_text()))
         man = json.loads((d / "train" / "manifest.json").read_text())
         row = {"lever": name, "train": {k: v for k, v in cfg.items() if k in over or k in override or k == "epochs"},
                "steps": man["steps"], "best_step": man["best_step"], "best_metric": man.get("best_metric"),

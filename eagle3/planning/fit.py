@@ -3,9 +3,9 @@
 
 Why the data and not the epochs or the eval: the eval's questions are the measurement, and extraction costs more per
 token than a later training pass, so cutting conversations saves the most time per unit of training lost. The
-plan's time is close to linear in the conversations (extraction and training are per token; the probe, the replay
-set and the eval are not), so two plans, at the configured limit and at half of it, give the line, and the limit is
-the largest multiple of `STEP` under it (at least `FLOOR`). The choice is written to run_dir/fit.json on the first
+plan's time grows with the conversations (extraction per token; training per token until train.max_steps ends it;
+the probe, the replay set and the eval not at all), so the limit is the largest multiple of `STEP` whose plan fits,
+found by bisection (at least `FLOOR`). The choice is written to run_dir/fit.json on the first
 run and read back by every rerun of that dir, so a resumed run keeps its prepared data instead of re-probing into a
 slightly different limit and redoing the stages.
 """
@@ -76,16 +76,18 @@ def _choose(cfg: PipelineConfig, host: HostSpeed) -> Fit:
     full = _seconds(cfg, limit, host)
     if full <= budget or limit <= FLOOR:
         return Fit(budget, limit, full, limit, full)
-    half = max(1, limit // 2)
-    per = (full - _seconds(cfg, half, host)) / (limit - half)  # seconds per conversation
-    fixed = full - per * limit
-    n = int((budget - fixed) / per) // STEP * STEP if per > 0 else limit
-    n = max(FLOOR, min(limit, n))
-    s = _seconds(cfg, n, host)
-    while s > budget and n > FLOOR:  # the line is close, not exact (validations and packs come in whole steps)
-        n = max(FLOOR, n - STEP)
-        s = _seconds(cfg, n, host)
-    return Fit(budget, limit, full, n, s)
+    # the plan's time grows with the conversations, but not on one line: where train.max_steps ends training, more
+    # conversations add extraction only. So bisect the limits the fit may choose for the largest within the budget.
+    cands = range(FLOOR, limit, STEP)
+    lo, hi = 0, len(cands)  # -> lo: how many candidates fit (a prefix, as the time only grows)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _seconds(cfg, cands[mid], host) <= budget:
+            lo = mid + 1
+        else:
+            hi = mid
+    n = cands[max(lo - 1, 0)]
+    return Fit(budget, limit, full, n, _seconds(cfg, n, host))
 
 
 def _seconds(cfg: PipelineConfig, limit: int, host: HostSpeed) -> float:

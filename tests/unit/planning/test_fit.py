@@ -22,11 +22,11 @@ def _host(speed: float) -> HostSpeed:
 
 def test_a_slow_host_gets_fewer_conversations_within_the_budget_and_reruns_keep_them(tmp_path, smollm2_dir):
     cfg = _demo(tmp_path / "run", 40)
-    assert cfg.prepare.limit == 400
+    assert cfg.prepare.limit == 800
     slow = _host(0.6)
     fitted, f = fit(cfg, slow)
     n = fitted.prepare.limit
-    assert f.cut and f.limit == 400 and f.fitted_limit == n and FLOOR <= n < 400 and n % STEP == 0
+    assert f.cut and f.limit == 800 and f.fitted_limit == n and FLOOR <= n < 800 and n % STEP == 0
     assert f.planned_s == plan(cfg, free_bytes=1 << 60, free_mem=1 << 60, host=slow).total_seconds() > 40 * 60
     assert f.fitted_s == plan(fitted, free_bytes=1 << 60, free_mem=1 << 60, host=slow).total_seconds() <= 40 * 60
     # the largest such limit: one step more is over the budget
@@ -34,7 +34,7 @@ def test_a_slow_host_gets_fewer_conversations_within_the_budget_and_reruns_keep_
     assert plan(more, free_bytes=1 << 60, free_mem=1 << 60, host=slow).total_seconds() > 40 * 60
     kept = json.loads((tmp_path / "run" / FIT_FILE).read_text())
     assert kept["fitted_limit"] == n == read_fit(tmp_path / "run").fitted_limit
-    assert f"prepare.limit 400 -> {n}" in f.line()
+    assert f"prepare.limit 800 -> {n}" in f.line()
     # a rerun of the dir on a host that probes faster resumes the same run
     again, g = fit(cfg, _host(0.9))
     assert again.prepare.limit == n and g == f
@@ -43,7 +43,7 @@ def test_a_slow_host_gets_fewer_conversations_within_the_budget_and_reruns_keep_
 def test_a_host_fast_enough_runs_as_configured_and_a_dry_run_writes_nothing(tmp_path, smollm2_dir):
     cfg = _demo(tmp_path / "run", 600)
     same, f = fit(cfg, _host(1.0), keep=False)
-    assert same.prepare.limit == 400 and not f.cut and "as configured" in f.line()
+    assert same.prepare.limit == 800 and not f.cut and "as configured" in f.line()
     assert not (tmp_path / "run").exists()
     # not cut: the config as given, an unset limit left unset (a source's count may be an estimate from its size)
     unset = cfg.model_copy(update={"prepare": cfg.prepare.model_copy(update={"limit": None})})
