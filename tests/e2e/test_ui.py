@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from eagle3.config import PipelineConfig
 from tests.helpers.prefect_service import BIN, REPO, free_port, start, stop, tiny_inputs
 
 pytestmark = pytest.mark.browser
@@ -234,7 +235,8 @@ def test_custom_run_from_the_ui_retries_artifacts_and_paused_nightly(ui, page, t
         form = pg.inner_text("main") if pg.locator("main").count() else pg.inner_text("body")
         # What Quick run starts too: the demo preset, in its own dir, within a 1-hour budget.
         assert pg.get_by_label(label("run_dir")).input_value() == "runs/ui-{date}"
-        assert pg.get_by_label(label("limit", optional=True)).first.input_value() == "400"
+        demo = PipelineConfig.from_file(REPO / "examples" / "smollm2-sharegpt.yaml")
+        assert pg.get_by_label(label("limit", optional=True)).first.input_value() == str(demo.prepare.limit)
         assert pg.get_by_label(label("max_hours", optional=True)).input_value() == "1"
         # Descriptions whole: no raw markdown, limits stated, sections titled by their keys.
         assert "run_dir/prepare, run_dir/extract" in form and "`" not in form and "PrepareConfig" not in form
