@@ -90,10 +90,10 @@ DEMO_LEVERS: dict[str, tuple[dict, dict, list[int]]] = {
     # own, shared by the seeds), paired against the same training on the fp32 store ("vs_fp32x")
     "demo-bf16-muon-peerset-lr2e-3-x16": ({**MUON, **PEERSET, "lr": 2e-3}, {"extract_dtype": "bfloat16"}, [3]),
     # fresh conversations instead of repeated passes, at equal steps: the preset's 471 steps over 800 conversations
-    # (~1.5 passes) against 3 passes over 400. At the third pass the train loss falls ~2 nats below the held-out
+    # (~1.6 passes) against 3 passes over 400. At the third pass the train loss falls ~2.5 nats below the held-out
     # loss while the held-out replay tau stops rising: the head memorises what it has seen. Its store extends the
-    # -x16 lever's (the first 400 conversations are copied from it: --reuse), so the extra cost is 400 conversations
-    # of bf16 extraction; paired against the -x16 lever ("vs_data")
+    # -x16 lever's (the samples it holds are copied: --reuse), so the extra cost is the new conversations' bf16
+    # extraction; paired against the -x16 lever ("vs_data")
     "demo-bf16-muon-peerset-lr2e-3-x16-fresh800": ({**MUON, **PEERSET, "lr": 2e-3, **EQUAL_STEPS},
                                                     {"limit": 800, "extract_dtype": "bfloat16"}, [3]),
 }
@@ -372,6 +372,9 @@ def main() -> None:
         d.mkdir(exist_ok=True)
         log = d / "log.txt"
         prepare, extract, verifier = Path(a.prepare), Path(a.extract), Path(a.verifier)
+        aux = ["--aux-layers", ",".join(map(str, extra["aux"]))] if "aux" in extra else []
+        dtype = ["--dtype", extra["extract_dtype"]] if "extract_dtype" in extra else []
+        data_threads = a.data_threads or a.threads
         if "vocab" in extra or "limit" in extra:
             # its own prepare: a new vocab map over the same samples (the hidden states do not change), or more
             # (or fewer) conversations, which need their own extraction too (one data dir per size and dtype, shared
@@ -386,20 +389,17 @@ def main() -> None:
                            "--limit", str(extra.get("limit", src["limit"])), "--max-len", str(src["max_len"]),
                            "--val-fraction", str(src["val_fraction"]), "--seed", str(src["seed"]),
                            "--draft-vocab", str(extra.get("vocab", src["draft_vocab"])), "--out", str(prepare)),
-                    log, a.data_threads or a.threads)
+                    log, data_threads)
                 if "limit" in extra:  # the samples already in a store of the same settings are copied, not recomputed
-                    dt = ["--dtype", extra["extract_dtype"]] if "extract_dtype" in extra else []
                     reuse = [x for s in (Path(a.extract), root / f"extract-{extra.get('extract_dtype')}")
                              if (s / "manifest.json").is_file() for x in ("--reuse", str(s))]
                     run(eagle3("extract", "--model", a.model, "--prepared", str(prepare), "--out", str(extract),
-                               *dt, *reuse), log, a.data_threads or a.threads)
+                               *dtype, *reuse), log, data_threads)
                 run(eagle3("verifier", "--model", a.model, "--prepared", str(prepare), "--out", str(verifier)),
-                    log, a.data_threads or a.threads)
+                    log, data_threads)
                 if "limit" in extra:  # the data's wall time counts for this lever (an extraction of its own)
                     w = round(time.perf_counter() - w0, 1)
                     (data / "data_timing.json").write_text(json.dumps({"data_wall_s": w}))
-        aux = ["--aux-layers", ",".join(map(str, extra["aux"]))] if "aux" in extra else []
-        dtype = ["--dtype", extra["extract_dtype"]] if "extract_dtype" in extra else []
         # the same samples, other states: an extraction per set of ids or dtype (shared by the seeds)
         if (aux or dtype) and "limit" not in extra:
             extract = root / (f"extract-aux-{'-'.join(map(str, extra['aux']))}" if aux else

@@ -11,6 +11,7 @@ slightly different limit and redoing the stages.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -79,15 +80,16 @@ def _choose(cfg: PipelineConfig, host: HostSpeed) -> Fit:
     # the plan's time grows with the conversations, but not on one line: where train.max_steps ends training, more
     # conversations add extraction only. So bisect the limits the fit may choose for the largest within the budget.
     cands = range(FLOOR, limit, STEP)
+    seconds = functools.cache(lambda n: _seconds(cfg, n, host))  # the chosen limit's plan was made while bisecting
     lo, hi = 0, len(cands)  # -> lo: how many candidates fit (a prefix, as the time only grows)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _seconds(cfg, cands[mid], host) <= budget:
+        if seconds(cands[mid]) <= budget:
             lo = mid + 1
         else:
             hi = mid
     n = cands[max(lo - 1, 0)]
-    return Fit(budget, limit, full, n, _seconds(cfg, n, host))
+    return Fit(budget, limit, full, n, seconds(n))
 
 
 def _seconds(cfg: PipelineConfig, limit: int, host: HostSpeed) -> float:
