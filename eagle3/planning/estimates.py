@@ -179,10 +179,11 @@ def epochs_read(cfg: PipelineConfig, tokens: int) -> int:
 
 
 def steps_share(cfg: PipelineConfig, tokens: int) -> float:
-    """The share of train.epochs' steps the trainer takes: below 1 where max_steps ends it earlier."""
+    """The steps the trainer takes over train.epochs' steps. As in the trainer, max_steps overrides epochs either
+    way: below 1 where it ends training early, above 1 where it reads the data more often than `epochs` says."""
     tc = cfg.train
     full = tc.epochs * estimated_steps_per_epoch(cfg, tokens)
-    return min(1.0, tc.max_steps / full) if tc.max_steps else 1.0
+    return tc.max_steps / full if tc.max_steps else 1.0
 
 
 

@@ -5,7 +5,10 @@ Why the data and not the epochs or the eval: the eval's questions are the measur
 token than a later training pass, so cutting conversations saves the most time per unit of training lost. The
 plan's time grows with the conversations (extraction per token; training per token until train.max_steps ends it;
 the probe, the replay set and the eval not at all), so the limit is the largest multiple of `STEP` whose plan fits,
-found by bisection (at least `FLOOR`). The choice is written to run_dir/fit.json on the first
+found by bisection (at least `FLOOR`). Fewer conversations, not more passes over them: the trainer's max_steps
+overrides its epochs, so a max_steps set for the configured data would run the cut data for more passes than
+`epochs` and cost as much as before; where `epochs` passes over a candidate's data end before it, the candidate
+trains those passes (max_steps dropped), as its plan says. The choice is written to run_dir/fit.json on the first
 run and read back by every rerun of that dir, so a resumed run keeps its prepared data instead of re-probing into a
 slightly different limit and redoing the stages.
 """
@@ -36,6 +39,7 @@ class Fit:
     planned_s: float
     fitted_limit: int
     fitted_s: float
+    max_steps_dropped: bool = False  # train.max_steps dropped: `epochs` passes over the fitted data end first
 
     @property
     def cut(self) -> bool:
@@ -46,8 +50,9 @@ class Fit:
             return (f"fit: the plan ({hms(self.planned_s)}) is within fit_minutes ({hms(self.budget_s)}): "
                     f"{self.limit} conversations, as configured")
         over = "" if self.fitted_s <= self.budget_s else f" (the floor, {FLOOR}: still over the budget)"
+        steps = "; train.max_steps dropped: its epochs over them end first" if self.max_steps_dropped else ""
         return (f"fit: this host plans {self.limit} conversations at {hms(self.planned_s)}, over fit_minutes "
-                f"({hms(self.budget_s)}): prepare.limit {self.limit} -> {self.fitted_limit}{over}, planned "
+                f"({hms(self.budget_s)}): prepare.limit {self.limit} -> {self.fitted_limit}{over}{steps}, planned "
                 f"{hms(self.fitted_s)}")
 
 
@@ -74,7 +79,7 @@ def read_fit(run_dir: str | Path) -> Fit | None:
 def _choose(cfg: PipelineConfig, host: HostSpeed) -> Fit:
     budget = cfg.fit_minutes * 60
     limit = expected_conversations(cfg)
-    full = _seconds(cfg, limit, host)
+    full = _plan_s(cfg, host)
     if full <= budget or limit <= FLOOR:
         return Fit(budget, limit, full, limit, full)
     # the plan's time grows with the conversations, but not on one line: where train.max_steps ends training, more
@@ -89,20 +94,38 @@ def _choose(cfg: PipelineConfig, host: HostSpeed) -> Fit:
         else:
             hi = mid
     n = cands[max(lo - 1, 0)]
-    return Fit(budget, limit, full, n, seconds(n))
+    return Fit(budget, limit, full, n, seconds(n), _steps_end_it(cfg, n))
 
 
 def _seconds(cfg: PipelineConfig, limit: int, host: HostSpeed) -> float:
+    return _plan_s(_with_limit(cfg, limit, _steps_end_it(cfg, limit)), host)
+
+
+def _plan_s(cfg: PipelineConfig, host: HostSpeed) -> float:
     from eagle3.planning import plan
 
-    return plan(_with_limit(cfg, limit), free_bytes=1 << 60, free_mem=1 << 60, host=host).total_seconds()
+    return plan(cfg, free_bytes=1 << 60, free_mem=1 << 60, host=host).total_seconds()
+
+
+def _steps_end_it(cfg: PipelineConfig, limit: int) -> bool:
+    """Whether `epochs` passes over `limit` conversations end before train.max_steps (which then goes: see the
+    module docstring). Decided once, from the estimates, and kept in fit.json: once prepare has run, the
+    estimates read its counts, and a rerun must not train another length."""
+    from eagle3.planning.estimates import estimated_steps_per_epoch, expected_tokens
+
+    tc, c = cfg.train, _with_limit(cfg, limit, False)
+    return bool(tc.max_steps) and tc.epochs * estimated_steps_per_epoch(c, expected_tokens(c)) < tc.max_steps
 
 
 def _applied(cfg: PipelineConfig, f: Fit) -> PipelineConfig:
-    """`cfg` as the stages run it: its limit cut where the fit cut it, else untouched (an unset limit stays unset:
-    where the source's record count is only estimated, from its size, setting it would drop records)."""
-    return _with_limit(cfg, f.fitted_limit) if f.cut else cfg
+    """`cfg` as the stages run it: its limit (and max_steps) cut where the fit cut it, else untouched (an unset
+    limit stays unset: where the source's record count is only estimated, from its size, setting it would drop
+    records)."""
+    return _with_limit(cfg, f.fitted_limit, f.max_steps_dropped) if f.cut else cfg
 
 
-def _with_limit(cfg: PipelineConfig, limit: int) -> PipelineConfig:
-    return cfg.model_copy(update={"prepare": cfg.prepare.model_copy(update={"limit": limit})})
+def _with_limit(cfg: PipelineConfig, limit: int, drop_max_steps: bool) -> PipelineConfig:
+    update = {"prepare": cfg.prepare.model_copy(update={"limit": limit})}
+    if drop_max_steps:
+        update["train"] = cfg.train.model_copy(update={"max_steps": None})
+    return cfg.model_copy(update=update)

@@ -37,7 +37,7 @@ def extract_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, host: HostS
 def train_seconds(cfg: PipelineConfig, t: TargetPlan, tokens: int, P: int, vd: int, host: HostSpeed) -> float:
     """The trainer's wall time: on GPU (a vLLM run) FLOPs at the measured FLOP/s per GPU; on CPU SmolLM2's
     measured first-epoch and later-epoch rates (and each validation at half a step's cost per token), scaled by
-    the draft's size, the unroll and this host's speed; cut where max_steps ends training early."""
+    the draft's size, the unroll and this host's speed; scaled to the steps max_steps sets, fewer or more."""
     tc = cfg.train
     if cfg.extract.backend == "vllm":
         pd = P - vd * t.hidden_size - 3 * t.hidden_size * t.hidden_size  # one TTT step's layer weights

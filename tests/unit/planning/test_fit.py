@@ -35,9 +35,26 @@ def test_a_slow_host_gets_fewer_conversations_within_the_budget_and_reruns_keep_
     kept = json.loads((tmp_path / "run" / FIT_FILE).read_text())
     assert kept["fitted_limit"] == n == read_fit(tmp_path / "run").fitted_limit
     assert f"prepare.limit 800 -> {n}" in f.line()
+    # fewer conversations, not more passes: the preset's max_steps (471, ~1.6 passes over 800) would take the
+    # trainer (max_steps overrides epochs) over the cut data ~3 times and past the budget; its 2 epochs end first
+    assert cfg.train.max_steps == 471 and cfg.train.epochs == 2
+    assert fitted.train.max_steps is None and f.max_steps_dropped and kept["max_steps_dropped"]
+    assert "train.max_steps dropped: its epochs over them end first" in f.line()
+    as_set = fitted.model_copy(update={"train": fitted.train.model_copy(update={"max_steps": 471})})
+    assert plan(as_set, free_bytes=1 << 60, free_mem=1 << 60, host=slow).total_seconds() > 40 * 60
     # a rerun of the dir on a host that probes faster resumes the same run
     again, g = fit(cfg, _host(0.9))
     assert again.prepare.limit == n and g == f
+
+
+def test_a_small_cut_keeps_max_steps_where_it_still_ends_training_first(tmp_path, smollm2_dir):
+    cfg, host = _demo(tmp_path / "run", 40), _host(1.0)
+    at = cfg.model_copy(update={"prepare": cfg.prepare.model_copy(update={"limit": 750})})
+    budget = plan(at, free_bytes=1 << 60, free_mem=1 << 60, host=host).total_seconds() / 60
+    fitted, f = fit(cfg.model_copy(update={"fit_minutes": budget}), host, keep=False)
+    # 2 epochs over 750 conversations are more steps than 471: max_steps still ends training, as configured
+    assert fitted.prepare.limit == 750 and fitted.train.max_steps == 471 and not f.max_steps_dropped
+    assert "max_steps" not in f.line()
 
 
 def test_a_host_fast_enough_runs_as_configured_and_a_dry_run_writes_nothing(tmp_path, smollm2_dir):

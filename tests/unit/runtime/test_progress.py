@@ -158,6 +158,9 @@ def test_preflight_scales_cpu_stages_by_the_host_and_checks_the_eval_memory(smol
     # max_steps ends training early: the estimate takes that share of the epochs' steps (the replay set stays)
     short = demo.model_copy(update={"train": demo.train.model_copy(update={"max_steps": 20})})
     assert plan(short, free_bytes=1 << 50, free_mem=1 << 40).seconds["train"] < 0.25 * ref.seconds["train"]
+    # ... and, as in the trainer, it overrides epochs upward too: more steps than the epochs' cost more
+    long = demo.model_copy(update={"train": demo.train.model_copy(update={"max_steps": 4 * demo.train.max_steps})})
+    assert plan(long, free_bytes=1 << 50, free_mem=1 << 40).seconds["train"] > 2 * ref.seconds["train"]
     need = next(r.bytes for r in ref.rows if r.what.startswith("memory of the replay answers, 80 rows"))
     assert 6 * GIB < need < 10 * GIB  # the demo's build peaked at 8.5-10.8 GiB measured
     tight = plan(demo, free_bytes=1 << 50, free_mem=int(need * 0.6))
