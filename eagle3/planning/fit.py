@@ -85,7 +85,8 @@ def _choose(cfg: PipelineConfig, host: HostSpeed) -> Fit:
     # the plan's time grows with the conversations, but not on one line: where train.max_steps ends training, more
     # conversations add extraction only. So bisect the limits the fit may choose for the largest within the budget.
     cands = range(FLOOR, limit, STEP)
-    seconds = functools.cache(lambda n: _seconds(cfg, n, host))  # the chosen limit's plan was made while bisecting
+    candidate = functools.cache(lambda n: _with_limit(cfg, n, _steps_end_it(cfg, n)))
+    seconds = functools.cache(lambda n: _plan_s(candidate(n), host))  # the chosen limit's plan was made while bisecting
     lo, hi = 0, len(cands)  # -> lo: how many candidates fit (a prefix, as the time only grows)
     while lo < hi:
         mid = (lo + hi) // 2
@@ -94,11 +95,7 @@ def _choose(cfg: PipelineConfig, host: HostSpeed) -> Fit:
         else:
             hi = mid
     n = cands[max(lo - 1, 0)]
-    return Fit(budget, limit, full, n, seconds(n), _steps_end_it(cfg, n))
-
-
-def _seconds(cfg: PipelineConfig, limit: int, host: HostSpeed) -> float:
-    return _plan_s(_with_limit(cfg, limit, _steps_end_it(cfg, limit)), host)
+    return Fit(budget, limit, full, n, seconds(n), candidate(n).train.max_steps != cfg.train.max_steps)
 
 
 def _plan_s(cfg: PipelineConfig, host: HostSpeed) -> float:
