@@ -23,21 +23,15 @@ from pathlib import Path
 import torch
 
 
-def target_layer(target: Path, layer: int, num_layers: int) -> dict[str, torch.Tensor]:
-    """The tensors of decoder layer `layer` (negative: from the end) of the HF checkpoint in `target`, named as
-    inside the layer (`self_attn.q_proj.weight`, ...)."""
-    from safetensors import safe_open
-
-    i = layer % num_layers
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(target.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                marker = f"layers.{i}."
-                if marker in k and k.split(marker, 1)[0].endswith(("model.", "language_model.")):
-                    out[k.split(marker, 1)[1]] = st.get_tensor(k)
+def target_layer(target, layer: int) -> dict[str, torch.Tensor]:
+    """The tensors of decoder layer `layer` (negative: from the end) of `target` (an `eagle3.model.target.Target`,
+    which resolves VLM wrappers' prefixes and the shards), named as inside the layer (`self_attn.q_proj.weight`)."""
+    text, _ = target.prefixes
+    pre = f"{text}layers.{layer % target.num_layers}."
+    out = {k[len(pre):]: target.read(k) for k in target.weight_map if k.startswith(pre)}
     if "mlp.gate_proj.weight" not in out:
-        raise ValueError(f"{target}: no dense Llama-style layer {i} (an MoE or MLA layer cannot start a Llama draft)")
+        raise ValueError(f"{target.path}: no dense Llama-style layer {pre!r} (an MoE or MLA layer cannot start a "
+                         "Llama draft)")
     return out
 
 
@@ -56,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from eagle3.config import TrainConfig
     from eagle3.model.formats import export
+    from eagle3.model.target import Target
     from eagle3.storage.manifests import HiddenStates
     from eagle3.train.build import build_draft
 
@@ -66,8 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError("only a Llama draft layer starts from a target layer")
     draft = build_draft(cfg, HiddenStates.read(a.hidden), Path(a.verifier))
     c = draft.config
-    tc = json.loads((Path(a.target) / "config.json").read_text())
-    w = target_layer(Path(a.target), a.layer, tc.get("text_config", tc)["num_hidden_layers"])
+    w = target_layer(Target.open(a.target), a.layer)
     m, H = draft.midlayer, c.hidden_size
     parts = set(a.parts.split(","))
     if not parts or parts - {"attn", "mlp"}:

@@ -85,7 +85,7 @@ def _choose(cfg: PipelineConfig, host: HostSpeed) -> Fit:
     # the plan's time grows with the conversations, but not on one line: where train.max_steps ends training, more
     # conversations add extraction only. So bisect the limits the fit may choose for the largest within the budget.
     cands = range(FLOOR, limit, STEP)
-    candidate = functools.cache(lambda n: _with_limit(cfg, n, _steps_end_it(cfg, n)))
+    candidate = functools.cache(lambda n: _candidate(cfg, n))
     seconds = functools.cache(lambda n: _plan_s(candidate(n), host))  # the chosen limit's plan was made while bisecting
     lo, hi = 0, len(cands)  # -> lo: how many candidates fit (a prefix, as the time only grows)
     while lo < hi:
@@ -104,14 +104,15 @@ def _plan_s(cfg: PipelineConfig, host: HostSpeed) -> float:
     return plan(cfg, free_bytes=1 << 60, free_mem=1 << 60, host=host).total_seconds()
 
 
-def _steps_end_it(cfg: PipelineConfig, limit: int) -> bool:
-    """Whether `epochs` passes over `limit` conversations end before train.max_steps (which then goes: see the
+def _candidate(cfg: PipelineConfig, limit: int) -> PipelineConfig:
+    """`cfg` at `limit` conversations, without train.max_steps where `epochs` passes over them end before it (see the
     module docstring). Decided once, from the estimates, and kept in fit.json: once prepare has run, the
     estimates read its counts, and a rerun must not train another length."""
     from eagle3.planning.estimates import estimated_steps_per_epoch, expected_tokens
 
-    tc, c = cfg.train, _with_limit(cfg, limit, False)
-    return bool(tc.max_steps) and tc.epochs * estimated_steps_per_epoch(c, expected_tokens(c)) < tc.max_steps
+    c, tc = _with_limit(cfg, limit, False), cfg.train
+    ends_first = bool(tc.max_steps) and tc.epochs * estimated_steps_per_epoch(c, expected_tokens(c)) < tc.max_steps
+    return _with_limit(cfg, limit, True) if ends_first else c
 
 
 def _applied(cfg: PipelineConfig, f: Fit) -> PipelineConfig:
